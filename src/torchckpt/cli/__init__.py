@@ -1,0 +1,1 @@
+"""The ``torchckpt`` command line."""
