@@ -1,0 +1,70 @@
+"""Sizes are parsed and printed in one place.
+
+``parse_bytes`` accepts ints and strings with decimal (kB, MB, GB, TB) or binary (KiB, MiB, GiB, TiB)
+units; percentages are left to callers that know what they are a percentage of.
+"""
+
+from __future__ import annotations
+
+import re
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(size: int | str, *, option: str = "size") -> int:
+    """Parse a byte count such as ``6GiB``, ``800MB``, ``1.5 GB`` or ``1024``.
+
+    Args:
+        size: an int (bytes) or a string with an optional unit.
+        option: the name of the option being parsed, used in error messages.
+
+    Example:
+        >>> parse_bytes("6GiB")
+        6442450944
+        >>> parse_bytes("800MB")
+        800000000
+    """
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise TypeError(f"{option} must be an int number of bytes or a string like '6GiB'; got {size!r}")
+    if isinstance(size, int):
+        if size < 0:
+            raise ValueError(f"{option} must be >= 0 bytes; got {size}")
+        return size
+    match = _SIZE_RE.match(size)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        allowed = ", ".join(u for u in ("B", "kB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB"))
+        raise ValueError(f"{option}={size!r} is not a size; write a number with one of the units {allowed} "
+                         f"(for example '6GiB' or '800MB')")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Format a byte count with a binary unit, three significant figures.
+
+    Example:
+        >>> format_bytes(6 * 2**30)
+        '6.00 GiB'
+        >>> format_bytes(512)
+        '512 B'
+    """
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            break
+        value /= 1024
+    if unit == "B":
+        return f"{int(value)} B"
+    return f"{value:.3g} {unit}" if abs(value) >= 100 else f"{value:.2f} {unit}"

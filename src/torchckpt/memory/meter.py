@@ -1,0 +1,301 @@
+"""MemoryMeter: exact live tensor bytes on CPU, allocator statistics on CUDA, process RSS.
+
+How the CPU meter counts (the rules every figure it reports obeys):
+
+1. The unit is a *storage*. A tensor's bytes are its untyped storage's ``nbytes()``; views, aliases,
+   ``detach()`` and in-place results share their base's storage and are counted once.
+2. A storage is counted from the moment the meter first sees it (as the output or the input of an op
+   that runs through the dispatcher while the meter is active, which includes autograd's backward,
+   checkpoint recomputation and selective-checkpoint caches) until it is freed. Freed is freed: the
+   weak-reference callback fires when the storage's C++ object dies, not when a Python name goes away.
+3. Storages alive at entry (parameters, inputs, optimizer state) form the *baseline*: the meter finds
+   them with one scan of the garbage collector's tensors at entry, counts them in ``current_bytes`` and
+   ``peak_bytes``, and subtracts them when they are freed. ``MemoryMeter(include_existing=False)``
+   counts only what is created inside.
+4. Only storages on the meter's device are counted (CPU by default). Meta, fake and sparse tensors own
+   no countable storage and are ignored.
+
+On CUDA the numbers come from the caching allocator (``torch.cuda.memory_allocated`` and
+``max_memory_allocated``), which already follow the same rules at block granularity.
+
+Process RSS is the physical figure: ``VmHWM``/``VmRSS`` from ``/proc/self/status``, with the high-water
+mark reset through ``/proc/self/clear_refs``. glibc returns freed memory to the OS only for blocks
+above its mmap threshold, so run with ``MALLOC_MMAP_THRESHOLD_=65536`` for RSS to follow live bytes
+closely (``make test`` and ``make demo`` do).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from torchckpt.memory.rss import read_rss_bytes, reset_peak_rss
+
+__all__ = ["MemoryMeter", "MemoryBreakdown"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Live bytes by category at one moment (``MemoryMeter.breakdown()``).
+
+    ``activations`` is everything live that is not a parameter, a gradient or optimizer state of the
+    module and optimizer the meter was given: saved activations, caches, inputs, outputs, transients.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        """Sum of the categories (equals ``current_bytes`` when taken)."""
+        return self.parameters + self.gradients + self.optimizer_state + self.activations
+
+
+def _storage_of(tensor: torch.Tensor, device_type: str) -> torch.UntypedStorage | None:
+    """The tensor's untyped storage if it is a plain dense tensor on ``device_type``, else None."""
+    if tensor.device.type != device_type or tensor.layout != torch.strided:
+        return None
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return None  # subclasses (fake, functional, DTensor wrappers) own no countable storage
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Dispatch mode that records every storage an op produces or reads, and its release."""
+
+    def __init__(self, meter: MemoryMeter) -> None:
+        super().__init__()
+        self._meter = meter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        meter = self._meter
+        for value in tree_flatten((out, args, kwargs))[0]:
+            if isinstance(value, torch.Tensor):
+                meter._observe(value)
+        return out
+
+
+class MemoryMeter:
+    """Measure peak and current tensor memory of the code run inside ``with MemoryMeter() as m:``.
+
+    Args:
+        device: ``"cpu"`` (exact, via a dispatch mode) or a CUDA device (allocator statistics).
+        include_existing: count tensors alive at entry (parameters, inputs) as the baseline.
+        module: optional model whose parameters and gradients ``breakdown()`` names.
+        optimizer: optional optimizer whose state ``breakdown()`` names.
+
+    Example:
+        >>> import torch
+        >>> with MemoryMeter(include_existing=False) as meter:
+        ...     x = torch.empty(1024, dtype=torch.float32)
+        ...     y = x.view(32, 32)          # a view: no new bytes
+        ...     del x, y
+        >>> meter.peak_bytes, meter.current_bytes
+        (4096, 0)
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        *,
+        include_existing: bool = True,
+        module: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"MemoryMeter(device={device!r}): only 'cpu' and 'cuda' devices are supported")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"MemoryMeter(device={device!r}): CUDA is not available in this process; "
+                               "use device='cpu'")
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise TypeError(f"MemoryMeter(module=...) must be an nn.Module; got {type(module).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"MemoryMeter(optimizer=...) must be a torch.optim.Optimizer; "
+                            f"got {type(optimizer).__name__}")
+        self.include_existing = include_existing
+        self.module = module
+        self.optimizer = optimizer
+        self._live: dict[int, int] = {}  # id(storage) -> bytes counted for it
+        self._refs: dict[int, weakref.ref] = {}
+        self._current = 0
+        self._peak = 0
+        self._baseline = 0
+        self._mode: _StorageTracker | None = None
+        self._active = False
+        self._cuda_offset = 0
+
+    # ----------------------------------------------------------------- context manager
+    def __enter__(self) -> MemoryMeter:
+        if self._active:
+            raise RuntimeError("this MemoryMeter is already active; create a new one to nest meters")
+        self._active = True
+        reset_peak_rss()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._cuda_offset = 0 if self.include_existing else torch.cuda.memory_allocated(self.device)
+            return self
+        if self.include_existing:
+            self._scan_existing()
+        self._baseline = self._current
+        self._peak = self._current
+        self._mode = _StorageTracker(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._peak = self.peak_bytes
+            self._current = self.current_bytes
+        elif self._mode is not None:
+            self._mode.__exit__(exc_type, exc, tb)
+            self._mode = None
+            self._refs.clear()  # figures stay as they were at exit: later frees are not ours to count
+            self._live.clear()
+        self._active = False
+
+    # ----------------------------------------------------------------- figures
+    @property
+    def peak_bytes(self) -> int:
+        """Highest live tensor bytes seen since entry (or the last ``reset_peak()``)."""
+        if self.device.type == "cuda" and self._active:
+            return torch.cuda.max_memory_allocated(self.device) - self._cuda_offset
+        return self._peak
+
+    @property
+    def current_bytes(self) -> int:
+        """Live tensor bytes now (after exit: at exit)."""
+        if self.device.type == "cuda" and self._active:
+            return torch.cuda.memory_allocated(self.device) - self._cuda_offset
+        return self._current
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Bytes of the storages alive at entry (0 with ``include_existing=False``)."""
+        return self._baseline
+
+    @property
+    def peak_rss_bytes(self) -> int:
+        """Process peak resident set size since entry (Linux ``VmHWM``; 0 where unavailable)."""
+        return read_rss_bytes()[1]
+
+    @property
+    def rss_bytes(self) -> int:
+        """Process resident set size now (Linux ``VmRSS``; 0 where unavailable)."""
+        return read_rss_bytes()[0]
+
+    def reset_peak(self) -> None:
+        """Restart peak tracking from the current live bytes (and the RSS high-water mark).
+
+        Example:
+            >>> with MemoryMeter(include_existing=False) as meter:
+            ...     x = torch.ones(256); del x
+            ...     meter.reset_peak()
+            >>> meter.peak_bytes
+            0
+        """
+        reset_peak_rss()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._peak = self._current
+
+    def breakdown(self) -> MemoryBreakdown:
+        """Live bytes now, split into parameters, gradients, optimizer state and activations.
+
+        Categories come from the ``module`` and ``optimizer`` given to the meter; without them every
+        byte is in ``activations``. CPU only (on CUDA the allocator does not know what a block holds).
+
+        Example:
+            >>> model = torch.nn.Linear(4, 4)
+            >>> with MemoryMeter(module=model) as meter:
+            ...     parts = meter.breakdown()
+            >>> parts.parameters
+            80
+        """
+        if self.device.type == "cuda":
+            raise NotImplementedError("MemoryMeter.breakdown() is CPU only; on CUDA use torch.cuda.memory_snapshot()")
+        gc.collect()
+        seen: set[int] = set()
+
+        def total(tensors: Iterable[torch.Tensor]) -> int:
+            count = 0
+            for tensor in tensors:
+                storage = _storage_of(tensor, self.device.type)
+                if storage is None or id(storage) in seen or id(storage) not in self._live:
+                    continue
+                seen.add(id(storage))
+                count += self._live[id(storage)]
+            return count
+
+        params = list(self.module.parameters()) if self.module is not None else []
+        parameters = total(params)
+        gradients = total(p.grad for p in params if p.grad is not None)
+        optimizer_state = 0
+        if self.optimizer is not None:
+            state_tensors = [v for state in self.optimizer.state.values() for v in state.values()
+                             if isinstance(v, torch.Tensor)]
+            optimizer_state = total(state_tensors)
+        activations = self._current - parameters - gradients - optimizer_state
+        return MemoryBreakdown(parameters=parameters, gradients=gradients,
+                               optimizer_state=optimizer_state, activations=activations)
+
+    # ----------------------------------------------------------------- bookkeeping
+    def _scan_existing(self) -> None:
+        for obj in gc.get_objects():
+            if issubclass(type(obj), torch.Tensor):  # type(), not isinstance: no proxy __class__ lookups
+                self._observe(obj)
+
+    def _observe(self, tensor: torch.Tensor) -> None:
+        storage = _storage_of(tensor, self.device.type)
+        if storage is None:
+            return
+        key = id(storage)
+        nbytes = storage.nbytes()
+        counted = self._live.get(key)
+        if counted is None:
+            self._refs[key] = weakref.ref(storage, self._released_callback(key))
+            self._live[key] = nbytes
+            self._grow(nbytes)
+        elif counted != nbytes:  # resized in place (resize_, out= ops)
+            self._live[key] = nbytes
+            self._grow(nbytes - counted)
+
+    def _grow(self, delta: int) -> None:
+        self._current += delta
+        if self._current > self._peak:
+            self._peak = self._current
+
+    def _released_callback(self, key: int):  # noqa: ANN202 - a weakref callback
+        meter_ref = weakref.ref(self)
+
+        def released(_ref: weakref.ref) -> None:
+            meter = meter_ref()
+            if meter is None:
+                return
+            counted = meter._live.pop(key, None)
+            meter._refs.pop(key, None)
+            if counted is not None:
+                meter._current -= counted
+
+        return released

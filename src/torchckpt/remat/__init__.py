@@ -1,0 +1,39 @@
+"""Activation checkpointing: the executor, save policies and residual inspection."""
+
+from torchckpt.remat.apply import CheckpointHandle, checkpoint_modules
+from torchckpt.remat.checkpoint import CheckpointError, RecomputationMismatchError, checkpoint, checkpoint_sequential
+from torchckpt.remat.policies import (
+    POLICIES,
+    OpInfo,
+    Policy,
+    dots_saveable,
+    dots_with_no_batch_dims_saveable,
+    everything_saveable,
+    nothing_saveable,
+    save_anything_except_these_names,
+    save_from_both_policies,
+    save_only_these_names,
+    save_ops,
+    tag,
+)
+
+__all__ = [
+    "checkpoint",
+    "checkpoint_sequential",
+    "checkpoint_modules",
+    "CheckpointHandle",
+    "CheckpointError",
+    "RecomputationMismatchError",
+    "POLICIES",
+    "OpInfo",
+    "Policy",
+    "nothing_saveable",
+    "everything_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "save_only_these_names",
+    "save_anything_except_these_names",
+    "save_from_both_policies",
+    "save_ops",
+    "tag",
+]

@@ -1,0 +1,259 @@
+"""Pickle-free codecs: a state_dict becomes safetensors (tensors) plus JSON (everything else).
+
+Rules kept here:
+
+1. (inv. 2) Nothing here unpickles. Bytes are decoded only by ``json`` and
+   ``safetensors``; a file that looks like a pickle or a ``torch.save`` zip is
+   refused before any parser sees it.
+2. Round trips are exact: tensors keep dtype, shape and bits; Python floats go
+   through ``repr`` (exact); tuples, int dict keys, NumPy arrays and scalars are
+   tagged so they come back with the same type. Anything else is an error that
+   names its path, never a silent ``str()``.
+3. Tensor keys are the path of the tensor in the tree joined by ``.``, so a
+   model's flat state_dict is stored under its own keys (``torchckpt export``
+   relies on this).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from torchckpt.state.errors import CheckpointCorruptError, UnsafeFileError, UnsupportedStateError
+
+_TAG = "__torchckpt__"
+_SCALARS = (bool, int, float, str, type(None))
+_SAFETENSORS_MAX_HEADER_BYTES = 100 << 20
+
+
+def split_tensors(tree: Any, item: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Separate tensors from a nested state into (JSON-able tree, flat tensor dict).
+
+    Tensors are moved to CPU and made contiguous; tensors sharing storage are
+    cloned so that safetensors stores each one separately.
+
+    Example:
+        >>> tree, tensors = split_tensors({"w": torch.ones(2), "lr": 0.1, 3: (1, 2)}, "opt")
+        >>> sorted(tensors), tree["__torchckpt__"]
+        (['w'], 'dict')
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    seen_storages: set[tuple[str, int]] = set()
+    encoded = _encode(tree, (), item, tensors, seen_storages)
+    return encoded, tensors
+
+
+def join_tensors(tree: Any, tensors: Mapping[str, torch.Tensor], source: str) -> Any:
+    """Inverse of :func:`split_tensors`; ``source`` names the file for errors.
+
+    Example:
+        >>> tree, tensors = split_tensors({"w": torch.ones(2), "betas": (0.9, 0.99)}, "opt")
+        >>> join_tensors(tree, tensors, "opt.json")["betas"]
+        (0.9, 0.99)
+    """
+    return _decode(tree, tensors, source)
+
+
+def _path_text(path: tuple[str, ...]) -> str:
+    return ".".join(path) if path else "<root>"
+
+
+def _encode(
+    value: Any,
+    path: tuple[str, ...],
+    item: str,
+    tensors: dict[str, torch.Tensor],
+    seen: set[tuple[str, int]],
+) -> Any:
+    if type(value) in _SCALARS:
+        return value
+    if isinstance(value, torch.Tensor):
+        return _encode_tensor(value, path, item, tensors, seen)
+    if type(value) is dict:
+        return _encode_dict(value, path, item, tensors, seen)
+    if type(value) is list:
+        return [_encode(v, path + (str(i),), item, tensors, seen) for i, v in enumerate(value)]
+    if type(value) in (tuple, torch.Size):
+        kind = "tuple" if type(value) is tuple else "size"
+        items = [_encode(v, path + (str(i),), item, tensors, seen) for i, v in enumerate(value)]
+        return {_TAG: kind, "items": items}
+    if isinstance(value, (np.ndarray, np.generic)):
+        return _encode_numpy(value, path, item)
+    if isinstance(value, torch.dtype):
+        return {_TAG: "dtype", "name": str(value).removeprefix("torch.")}
+    raise UnsupportedStateError(
+        f"item {item!r}: value at {_path_text(path)} has type {type(value).__qualname__}, which "
+        "torchckpt cannot store without pickle. Supported: tensors, numbers, str, None, bool, "
+        "lists, tuples, dicts, NumPy arrays/scalars, torch.dtype. Fix: convert it in the "
+        "object's state_dict() (and back in load_state_dict())."
+    )
+
+
+def _encode_dict(value: dict, path, item, tensors, seen) -> Any:
+    plain = all(type(k) is str for k in value) and _TAG not in value
+    if plain:
+        return {k: _encode(v, path + (k,), item, tensors, seen) for k, v in value.items()}
+    pairs = [
+        [_encode(k, path, item, tensors, seen), _encode(v, path + (str(k),), item, tensors, seen)]
+        for k, v in value.items()
+    ]
+    return {_TAG: "dict", "items": pairs}
+
+
+def _encode_tensor(value: torch.Tensor, path, item, tensors, seen) -> dict[str, str]:
+    if value.layout != torch.strided or value.is_quantized or value.device.type == "meta":
+        raise UnsupportedStateError(
+            f"item {item!r}: tensor at {_path_text(path)} has layout {value.layout}, device "
+            f"{value.device}; expected a dense strided tensor. Fix: convert it (e.g. .to_dense())."
+        )
+    host = value.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+    storage_key = (str(host.device), host.untyped_storage().data_ptr())
+    if host.numel() and storage_key in seen:
+        host = host.clone()  # tied weights: store each key on its own
+    seen.add((str(host.device), host.untyped_storage().data_ptr()))
+    key = _unique_key(_path_text(path), tensors)
+    tensors[key] = host
+    return {_TAG: "tensor", "key": key}
+
+
+def _unique_key(base: str, taken: Mapping[str, Any]) -> str:
+    if base not in taken:
+        return base
+    suffix = 1
+    while f"{base}#{suffix}" in taken:
+        suffix += 1
+    return f"{base}#{suffix}"
+
+
+def _encode_numpy(value: np.ndarray | np.generic, path, item) -> dict[str, Any]:
+    array = np.asarray(value)
+    if array.dtype.hasobject:
+        raise UnsupportedStateError(
+            f"item {item!r}: NumPy value at {_path_text(path)} has dtype object; only numeric "
+            "dtypes are stored without pickle. Fix: convert it to a list."
+        )
+    kind = "ndarray" if isinstance(value, np.ndarray) else "npscalar"
+    data = base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii")
+    return {_TAG: kind, "dtype": array.dtype.str, "shape": list(array.shape), "data": data}
+
+
+def _decode(value: Any, tensors: Mapping[str, torch.Tensor], source: str) -> Any:
+    if type(value) is list:
+        return [_decode(v, tensors, source) for v in value]
+    if type(value) is not dict:
+        return value
+    tag = value.get(_TAG)
+    if tag is None:
+        return {k: _decode(v, tensors, source) for k, v in value.items()}
+    try:
+        return _decode_tagged(tag, value, tensors, source)
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointCorruptError(
+            f"{source}: malformed {tag!r} entry ({error!r})", {source: f"malformed {tag!r} entry"}
+        ) from None
+
+
+def _decode_tagged(tag: str, value: dict, tensors: Mapping[str, torch.Tensor], source: str) -> Any:
+    if tag == "tensor":
+        if value["key"] not in tensors:
+            problem = f"refers to tensor {value['key']!r}, which its .safetensors file lacks"
+            raise CheckpointCorruptError(f"{source}: {problem}", {source: problem})
+        return tensors[value["key"]]
+    if tag == "dict":
+        return {_decode(k, tensors, source): _decode(v, tensors, source) for k, v in value["items"]}
+    if tag == "tuple":
+        return tuple(_decode(v, tensors, source) for v in value["items"])
+    if tag == "size":
+        return torch.Size(_decode(v, tensors, source) for v in value["items"])
+    if tag in ("ndarray", "npscalar"):
+        raw = base64.b64decode(value["data"], validate=True)
+        array = np.frombuffer(raw, dtype=np.dtype(value["dtype"])).reshape(value["shape"]).copy()
+        return array if tag == "ndarray" else array[()]
+    if tag == "dtype":
+        dtype = getattr(torch, value["name"])
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{value['name']!r} is not a torch dtype")
+        return dtype
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+def encode_json(tree: Any) -> bytes:
+    """JSON bytes of an encoded tree (floats are written exactly via ``repr``).
+
+    Example:
+        >>> decode_json(encode_json({"lr": 0.1}), "x.json")
+        {'lr': 0.1}
+    """
+    return json.dumps(tree, indent=None, separators=(",", ":")).encode("utf-8")
+
+
+def decode_json(data: bytes, path: str) -> Any:
+    """Parse JSON bytes read from ``path``; refuses pickles (rule 1).
+
+    Example:
+        >>> decode_json(b"[1, 2]", "x.json")
+        [1, 2]
+    """
+    refuse_executable_formats(data, path)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        problem = f"not valid JSON ({error})"
+        raise CheckpointCorruptError(f"{path}: {problem}", {path: problem}) from None
+
+
+def encode_safetensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """safetensors bytes of CPU contiguous tensors (as produced by :func:`split_tensors`).
+
+    Example:
+        >>> decode_safetensors(encode_safetensors({"w": torch.ones(2)}), "m.safetensors")["w"]
+        tensor([1., 1.])
+    """
+    return safetensors.torch.save(dict(tensors))
+
+
+def decode_safetensors(data: bytes, path: str) -> dict[str, torch.Tensor]:
+    """Parse safetensors bytes read from ``path``; refuses pickles (rule 1).
+
+    Example:
+        >>> decode_safetensors(b"\\x80\\x04junk", "m.safetensors")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        torchckpt.state.errors.UnsafeFileError: m.safetensors: ...
+    """
+    header_bytes = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if not (0 < header_bytes <= min(len(data) - 8, _SAFETENSORS_MAX_HEADER_BYTES)) or data[8:9] != b"{":
+        # Checked only here: a valid header length (e.g. 0x280) may start with pickle's magic.
+        refuse_executable_formats(data, path)
+        problem = f"not a safetensors file (header length field {header_bytes}, file {len(data)} bytes)"
+        raise CheckpointCorruptError(f"{path}: {problem}", {path: problem})
+    try:
+        return safetensors.torch.load(data)
+    except Exception as error:  # safetensors raises its own SafetensorError
+        problem = f"safetensors could not decode it ({error})"
+        raise CheckpointCorruptError(f"{path}: {problem}", {path: problem}) from None
+
+
+def refuse_executable_formats(data: bytes, path: str) -> None:
+    """Raise :class:`UnsafeFileError` if ``data`` looks like a pickle or ``torch.save`` zip.
+
+    Example:
+        >>> refuse_executable_formats(b'{"a": 1}', "x.json") is None
+        True
+    """
+    is_pickle = len(data) >= 2 and data[0] == 0x80 and 2 <= data[1] <= 5
+    is_zip = data[:4] == b"PK\x03\x04"
+    if not (is_pickle or is_zip):
+        return
+    kind = "a Python pickle" if is_pickle else "a zip archive (torch.save format, holds a pickle)"
+    raise UnsafeFileError(
+        f"{path}: expected a torchckpt file, found {kind}. It was refused unread: loading a "
+        "pickle can run arbitrary code. Fix: if you trust its origin, convert it once with "
+        "torchckpt.state.import_torch_save (weights_only=True) or `torchckpt import`."
+    )

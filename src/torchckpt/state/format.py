@@ -1,0 +1,258 @@
+"""On-disk layout of a training-state checkpoint, its manifest, and file hashing.
+
+Layout (see DESIGN.md, "State checkpoint layout")::
+
+    runs/exp/
+      step-000001200/
+        model.safetensors        tensors of the item ``model``
+        optimizer.safetensors    tensors of the item ``optimizer``
+        optimizer.json           the rest of its state_dict (param_groups, ...)
+        state.json               step, metrics, RNG streams, tensor-free items
+        manifest.json            written last: every file with size and hash
+      .tmp-step-000001300-<id>/  a save in flight (local back end); removed at start-up
+
+Rules kept here (numbers refer to DESIGN.md invariants):
+
+1. (inv. 1) A directory is a checkpoint only if ``manifest.json`` parses, its
+   own ``manifest_hash`` matches, and it lists every file with size and hash.
+   :func:`parse_manifest` is the only way a manifest is read.
+2. The manifest hashes its own canonical JSON, so a flipped byte in the
+   manifest itself is detected, not just in the files it lists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchckpt.state.errors import CheckpointCorruptError
+
+FORMAT_NAME = "torchckpt.state"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+STATE_NAME = "state.json"
+LOCK_NAME = ".lock"
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+CORRUPT_PREFIX = ".corrupt-"
+_STEP_RE = re.compile(r"^step-(\d{9,})$")
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of a committed step.
+
+    Example:
+        >>> step_dir_name(1200)
+        'step-000001200'
+    """
+    return f"step-{step:09d}"
+
+
+def parse_step_dir_name(name: str) -> int | None:
+    """Step number of a committed step directory name, or None for anything else.
+
+    Example:
+        >>> parse_step_dir_name("step-000001200"), parse_step_dir_name(".tmp-step-000000001-ab")
+        (1200, None)
+    """
+    match = _STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def _crc32_hex(data: bytes | memoryview) -> str:
+    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def _hashlib_hex(name: str) -> Callable[[bytes | memoryview], str]:
+    def digest(data: bytes | memoryview) -> str:
+        return hashlib.new(name, data).hexdigest()
+
+    return digest
+
+
+def _xxh3_hex(data: bytes | memoryview) -> str:
+    import xxhash  # optional; only when the user asked for it
+
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+# Registry of hash functions by manifest name (an explicit registry, STYLE.md habit 9).
+# sha256 is the default: measured in bench/state/bench_hash.py, see docs/state.md.
+HASH_FUNCTIONS: Mapping[str, Callable[[bytes | memoryview], str]] = {
+    "sha256": _hashlib_hex("sha256"),
+    "blake2b": _hashlib_hex("blake2b"),
+    "crc32": _crc32_hex,
+    "xxh3_128": _xxh3_hex,
+}
+
+
+def hash_bytes(data: bytes | memoryview, algorithm: str) -> str:
+    """Hex digest of ``data`` with a manifest hash algorithm.
+
+    Example:
+        >>> hash_bytes(b"abc", "crc32")
+        '352441c2'
+    """
+    try:
+        function = HASH_FUNCTIONS[algorithm]
+    except KeyError:
+        raise ValueError(
+            f"hash algorithm {algorithm!r} is unknown; expected one of {sorted(HASH_FUNCTIONS)}"
+        ) from None
+    return function(data)
+
+
+def canonical_json(value: Any) -> bytes:
+    """JSON bytes with sorted keys and no spaces: the form that gets hashed.
+
+    Example:
+        >>> canonical_json({"b": 1, "a": [1.5, None]})
+        b'{"a":[1.5,null],"b":1}'
+    """
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileEntry:
+    """One file listed in a manifest.
+
+    Example:
+        >>> FileEntry(size_bytes=3, hash="352441c2").size_bytes
+        3
+    """
+
+    size_bytes: int
+    hash: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """The parsed ``manifest.json`` of one checkpoint.
+
+    Example:
+        >>> m = Manifest(step=1, created_unix_s=0.0, hash_algorithm="crc32", files={})
+        >>> parse_manifest(encode_manifest(m), "m.json").step
+        1
+    """
+
+    step: int
+    created_unix_s: float
+    hash_algorithm: str
+    files: Mapping[str, FileEntry]
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def size_bytes(self) -> int:
+        """Total bytes of the listed files (the manifest itself excluded)."""
+        return sum(entry.size_bytes for entry in self.files.values())
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    """Serialise a manifest, adding ``manifest_hash`` over the rest of it (rule 2).
+
+    Example:
+        >>> m = Manifest(step=3, created_unix_s=1.0, hash_algorithm="sha256", files={})
+        >>> b'"step": 3' in encode_manifest(m)
+        True
+    """
+    body = _manifest_body(manifest)
+    body["manifest_hash"] = hash_bytes(canonical_json(body), "sha256")
+    return json.dumps(body, indent=1, sort_keys=True).encode("utf-8")
+
+
+def _manifest_body(manifest: Manifest) -> dict[str, Any]:
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "step": manifest.step,
+        "created_unix_s": manifest.created_unix_s,
+        "hash_algorithm": manifest.hash_algorithm,
+        "files": {
+            name: {"size_bytes": entry.size_bytes, "hash": entry.hash}
+            for name, entry in sorted(manifest.files.items())
+        },
+        "metrics": dict(manifest.metrics),
+    }
+
+
+def parse_manifest(data: bytes, path: str) -> Manifest:
+    """Parse and self-check manifest bytes read from ``path`` (rule 1).
+
+    Raises :class:`CheckpointCorruptError` naming ``path`` and the problem.
+
+    Example:
+        >>> parse_manifest(b"{", "runs/x/step-000000001/manifest.json")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        torchckpt.state.errors.CheckpointCorruptError: runs/x/step-000000001/manifest.json: ...
+    """
+    body = _load_manifest_json(data, path)
+    claimed = body.pop("manifest_hash", None)
+    actual = hash_bytes(canonical_json(body), "sha256")
+    if claimed != actual:
+        _corrupt(path, f"manifest_hash is {claimed!r} but its content hashes to {actual!r}")
+    if body.get("format") != FORMAT_NAME or body.get("format_version") != FORMAT_VERSION:
+        _corrupt(
+            path,
+            f"format {body.get('format')!r} version {body.get('format_version')!r}; "
+            f"expected {FORMAT_NAME!r} version {FORMAT_VERSION} (upgrade torchckpt?)",
+        )
+    return _manifest_from_body(body, path)
+
+
+def _load_manifest_json(data: bytes, path: str) -> dict[str, Any]:
+    try:
+        body = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        _corrupt(path, f"not valid JSON ({error}); the save that wrote it did not finish")
+    if not isinstance(body, dict):
+        _corrupt(path, f"expected a JSON object, found {type(body).__name__}")
+    return body
+
+
+def _manifest_from_body(body: dict[str, Any], path: str) -> Manifest:
+    try:
+        files = {
+            str(name): FileEntry(size_bytes=int(entry["size_bytes"]), hash=str(entry["hash"]))
+            for name, entry in body["files"].items()
+        }
+        return Manifest(
+            step=int(body["step"]),
+            created_unix_s=float(body["created_unix_s"]),
+            hash_algorithm=str(body["hash_algorithm"]),
+            files=files,
+            metrics={str(k): float(v) for k, v in body.get("metrics", {}).items()},
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        _corrupt(path, f"missing or malformed field ({error!r})")
+
+
+def _corrupt(path: str, problem: str) -> None:
+    raise CheckpointCorruptError(f"{path}: {problem}", {path: problem})
+
+
+def metric_value(name: str, value: object) -> float:
+    """Convert one metric to a float (a number or a one-element tensor).
+
+    Example:
+        >>> metric_value("loss", 2)
+        2.0
+    """
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "numel", lambda: 1)() == 1:
+        value = item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"metrics[{name!r}] is {type(value).__name__}; expected a number or a one-element "
+            f"tensor. Fix: pass float(value)."
+        )
+    result = float(value)
+    if math.isnan(result):
+        raise ValueError(f"metrics[{name!r}] is NaN; keep_best cannot rank it. Fix: skip the metric.")
+    return result
