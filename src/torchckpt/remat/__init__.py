@@ -2,7 +2,9 @@
 
 from torchckpt.remat.apply import CheckpointHandle, checkpoint_modules
 from torchckpt.remat.checkpoint import CheckpointError, RecomputationMismatchError, checkpoint, checkpoint_sequential
+from torchckpt.remat.residuals import Residual, SavedResiduals, saved_residuals
 from torchckpt.remat.policies import (
+    PolicyLike,
     POLICIES,
     OpInfo,
     Policy,
@@ -27,6 +29,7 @@ __all__ = [
     "POLICIES",
     "OpInfo",
     "Policy",
+    "PolicyLike",
     "nothing_saveable",
     "everything_saveable",
     "dots_saveable",
@@ -36,4 +39,7 @@ __all__ = [
     "save_from_both_policies",
     "save_ops",
     "tag",
+    "saved_residuals",
+    "SavedResiduals",
+    "Residual",
 ]

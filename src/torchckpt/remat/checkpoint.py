@@ -242,6 +242,11 @@ def checkpoint(
     if resolved is everything_saveable or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     region = _Region(policy=resolved, fn_name=_function_name(fn))
+    return _run_region(region, fn, args, kwargs, preserve_rng_state)
+
+
+def _run_region(region: _Region, fn: Callable[..., Any], args: tuple, kwargs: dict,
+                preserve_rng_state: bool) -> Any:
     context_fn = functools.partial(_region_contexts, region)
     return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                                        context_fn=context_fn, **kwargs)

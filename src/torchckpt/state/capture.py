@@ -1,0 +1,161 @@
+"""Capture and restore live training state: named items (model, optimizer, ...) and RNG streams.
+
+Rules kept here:
+
+1. (inv. 4) Every RNG stream a training step may draw from is captured: Python
+   ``random``, NumPy's global generator, torch CPU and, once CUDA is
+   initialised, every CUDA device. Restoring them makes dropout, shuffling and
+   augmentation continue exactly where the interrupted run was.
+2. An item is either an object with ``state_dict()``/``load_state_dict()``
+   (module, optimizer, scheduler, StatefulDataLoader, sampler, GradScaler, ...)
+   or a plain ``dict`` of user values, restored in place. Anything else is an
+   error that says how to make it checkpointable, never a silent skip.
+3. Restoring applies state only after every item decoded, so a corrupt file
+   never leaves objects half restored.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchckpt.state.errors import CheckpointMismatchError
+
+RESERVED_ITEM_NAMES = frozenset({"state", "manifest", "metrics", "rng", "step"})
+_ITEM_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")
+
+
+def item_kind(name: str, obj: object) -> str:
+    """``"state_dict"`` or ``"dict"``: how item ``name`` is captured (rule 2).
+
+    Example:
+        >>> item_kind("model", torch.nn.Linear(2, 2)), item_kind("extras", {"epoch": 1})
+        ('state_dict', 'dict')
+    """
+    check_item_name(name)
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        return "state_dict"
+    if type(obj) is dict:
+        return "dict"
+    hint = (
+        " For data position use torchdata.stateful_dataloader.StatefulDataLoader, a drop-in "
+        "DataLoader with state_dict()."
+        if type(obj).__name__ == "DataLoader"
+        else ""
+    )
+    raise TypeError(
+        f"item {name!r} is a {type(obj).__qualname__}, which has no state_dict()/load_state_dict(); "
+        f"expected such an object or a plain dict.{hint}"
+    )
+
+
+def check_item_name(name: str) -> None:
+    """Reject names that are not identifiers or collide with torchckpt's own files.
+
+    Example:
+        >>> check_item_name("state")
+        Traceback (most recent call last):
+        ...
+        ValueError: item name 'state' is reserved (names torchckpt uses: manifest, metrics, rng, state, step); pick another name
+    """
+    if name in RESERVED_ITEM_NAMES:
+        reserved = ", ".join(sorted(RESERVED_ITEM_NAMES))
+        raise ValueError(f"item name {name!r} is reserved (names torchckpt uses: {reserved}); pick another name")
+    if not _ITEM_NAME_RE.match(name):
+        raise ValueError(f"item name {name!r} must be a Python identifier of at most 100 characters")
+
+
+def capture_item(name: str, obj: object) -> tuple[str, Any]:
+    """(kind, state) of one item, read from the live object.
+
+    Example:
+        >>> capture_item("extras", {"epoch": 2})
+        ('dict', {'epoch': 2})
+    """
+    kind = item_kind(name, obj)
+    state = obj.state_dict() if kind == "state_dict" else dict(obj)  # type: ignore[attr-defined]
+    return kind, state
+
+
+def apply_item(name: str, obj: object, kind: str, state: Any, source: str) -> None:
+    """Load ``state`` (decoded from ``source``) into the live object.
+
+    Example:
+        >>> extras = {"epoch": 0}
+        >>> apply_item("extras", extras, "dict", {"epoch": 4}, "step-000000004/state.json")
+        >>> extras
+        {'epoch': 4}
+    """
+    live_kind = item_kind(name, obj)
+    if live_kind != kind:
+        raise CheckpointMismatchError(
+            f"{source}: item {name!r} was saved as a {kind} but restore got a {live_kind} "
+            f"({type(obj).__qualname__}). Fix: pass the same kind of object that was saved."
+        )
+    if kind == "dict":
+        obj.clear()  # type: ignore[attr-defined]
+        obj.update(state)  # type: ignore[attr-defined]
+        return
+    try:
+        obj.load_state_dict(state)  # type: ignore[attr-defined]
+    except (RuntimeError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointMismatchError(
+            f"{source}: item {name!r} ({type(obj).__qualname__}) rejected the saved state: {error}. "
+            "Fix: build the object exactly as in the run that saved it (same model, same "
+            "parameter groups)."
+        ) from error
+
+
+def _bytes_of(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def _tensor_of(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every RNG stream's state, as JSON-able values (rule 1).
+
+    Example:
+        >>> sorted(capture_rng())
+        ['cuda', 'numpy', 'python', 'torch_cpu']
+    """
+    cuda_states: list[str] = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda_states = [_bytes_of(state) for state in torch.cuda.get_rng_state_all()]
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch_cpu": _bytes_of(torch.get_rng_state()),
+        "cuda": cuda_states,
+    }
+
+
+def restore_rng(state: Mapping[str, Any], source: str) -> None:
+    """Set every RNG stream from :func:`capture_rng`'s output (rule 1).
+
+    Example:
+        >>> saved = capture_rng(); first = torch.rand(1)
+        >>> restore_rng(saved, "state.json"); bool(torch.rand(1) == first)
+        True
+    """
+    cuda_states = list(state["cuda"])
+    if cuda_states:
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found != len(cuda_states):
+            raise CheckpointMismatchError(
+                f"{source}: saved RNG streams of {len(cuda_states)} CUDA device(s), this process "
+                f"has {found}; resume cannot be bit-exact. Fix: run on the same devices, or pass "
+                "restore(..., rng=False) to keep this process's RNG state."
+            )
+        torch.cuda.set_rng_state_all([_tensor_of(text) for text in cuda_states])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(_tensor_of(state["torch_cpu"]))

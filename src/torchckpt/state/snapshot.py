@@ -1,0 +1,139 @@
+"""A step's state as files: items split into ``NAME.safetensors`` / ``NAME.json`` / ``state.json``.
+
+Rules kept here:
+
+1. An item's tensors go to ``NAME.safetensors``. Its tree (the state_dict with
+   tensors replaced by references) goes to ``NAME.json`` when it has tensors
+   and is not simply a flat map of them (the optimizer's param_groups and step
+   counts); a model needs no JSON; items without tensors (scheduler, data
+   loader, user dicts) live in ``state.json`` with the step, metrics and RNG.
+2. Encoding happens synchronously and produces bytes: that is the host copy an
+   async save writes in the background while training mutates the tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchckpt.state.codec import (
+    decode_json,
+    decode_safetensors,
+    encode_json,
+    encode_safetensors,
+    join_tensors,
+    split_tensors,
+)
+from torchckpt.state.errors import CheckpointCorruptError
+from torchckpt.state.format import STATE_NAME
+
+
+@dataclass(frozen=True, kw_only=True)
+class Snapshot:
+    """Decoded content of one step (only the items that were asked for).
+
+    Example:
+        >>> files = encode_snapshot(step=3, items={"extras": ("dict", {"epoch": 1})}, rng=None, metrics={})
+        >>> decode_snapshot(files, lambda name: name).items["extras"]
+        ('dict', {'epoch': 1})
+    """
+
+    step: int
+    metrics: Mapping[str, float]
+    rng: Mapping[str, Any] | None
+    items: Mapping[str, tuple[str, Any]] = field(default_factory=dict)
+    item_names: tuple[str, ...] = ()
+
+
+def _is_flat(tree: Any) -> bool:
+    return type(tree) is dict and all(
+        type(v) is dict and v.get("__torchckpt__") == "tensor" and v.get("key") == k for k, v in tree.items()
+    )
+
+
+def _encode_item(name: str, kind: str, state: Any, files: dict[str, bytes]) -> dict[str, Any]:
+    tree, tensors = split_tensors(state, name)
+    meta: dict[str, Any] = {"kind": kind, "tensor_file": None, "tree_file": None, "tree": None}
+    if not tensors:
+        meta["tree"] = tree
+        return meta
+    meta["tensor_file"] = f"{name}.safetensors"
+    files[meta["tensor_file"]] = encode_safetensors(tensors)
+    if not _is_flat(tree):
+        meta["tree_file"] = f"{name}.json"
+        files[meta["tree_file"]] = encode_json(tree)
+    return meta
+
+
+def encode_snapshot(
+    *,
+    step: int,
+    items: Mapping[str, tuple[str, Any]],
+    rng: Mapping[str, Any] | None,
+    metrics: Mapping[str, float],
+) -> dict[str, bytes]:
+    """Files (name -> bytes) of one step, ``state.json`` included (rules 1, 2).
+
+    Example:
+        >>> import torch
+        >>> sorted(encode_snapshot(step=1, items={"model": ("state_dict", {"w": torch.ones(1)})},
+        ...                        rng=None, metrics={}))
+        ['model.safetensors', 'state.json']
+    """
+    files: dict[str, bytes] = {}
+    items_meta = {name: _encode_item(name, kind, state, files) for name, (kind, state) in items.items()}
+    rng_tree, rng_tensors = split_tensors(rng, "rng")
+    assert not rng_tensors, "capture_rng returns JSON-able values only"
+    state = {"step": step, "metrics": dict(metrics), "rng": rng_tree, "items": items_meta}
+    files[STATE_NAME] = encode_json(state)
+    return files
+
+
+def decode_snapshot(
+    files: Mapping[str, bytes],
+    path_of: Callable[[str], str],
+    wanted: Collection[str] | None = None,
+) -> Snapshot:
+    """Decode a step's files; only items in ``wanted`` (default: all) are decoded.
+
+    ``path_of`` turns a file name into the path shown in errors.
+
+    Example:
+        >>> files = encode_snapshot(step=5, items={}, rng=None, metrics={"loss": 1.0})
+        >>> decode_snapshot(files, lambda name: name).metrics
+        {'loss': 1.0}
+    """
+    state = decode_json(_file(files, STATE_NAME, path_of), path_of(STATE_NAME))
+    try:
+        items_meta: dict[str, Any] = dict(state["items"])
+        names = tuple(items_meta)
+        chosen = names if wanted is None else [n for n in names if n in wanted]
+        items = {name: _decode_item(items_meta[name], files, path_of) for name in chosen}
+        rng = join_tensors(state["rng"], {}, path_of(STATE_NAME))
+        return Snapshot(step=int(state["step"]), metrics=dict(state["metrics"]), rng=rng, items=items,
+                        item_names=names)
+    except (KeyError, TypeError, ValueError) as error:
+        problem = f"malformed state.json ({error!r})"
+        raise CheckpointCorruptError(f"{path_of(STATE_NAME)}: {problem}", {path_of(STATE_NAME): problem}) from None
+
+
+def _decode_item(meta: Mapping[str, Any], files: Mapping[str, bytes], path_of) -> tuple[str, Any]:
+    tensors = {}
+    if meta["tensor_file"] is not None:
+        name = meta["tensor_file"]
+        tensors = decode_safetensors(_file(files, name, path_of), path_of(name))
+    if meta["tree_file"] is not None:
+        name = meta["tree_file"]
+        tree = decode_json(_file(files, name, path_of), path_of(name))
+        return meta["kind"], join_tensors(tree, tensors, path_of(name))
+    if meta["tree"] is None:
+        return meta["kind"], dict(tensors)  # a flat tensor map, keys as saved
+    return meta["kind"], join_tensors(meta["tree"], tensors, path_of(STATE_NAME))
+
+
+def _file(files: Mapping[str, bytes], name: str, path_of) -> bytes:
+    if name not in files:
+        problem = "missing: state.json refers to it but the manifest does not list it"
+        raise CheckpointCorruptError(f"{path_of(name)}: {problem}", {path_of(name): problem})
+    return files[name]

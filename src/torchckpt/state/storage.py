@@ -1,0 +1,385 @@
+"""Where checkpoint bytes live: the local filesystem, or any fsspec URL; atomic commit protocols.
+
+Rules kept here:
+
+1. (inv. 1) Local commit: every file is written into ``.tmp-step-N-<id>/`` and
+   fsynced, then ``manifest.json`` is written and fsynced, then the temp
+   directory is fsynced, renamed to ``step-N`` and the parent is fsynced. A
+   crash at any point leaves either no ``step-N`` or a complete one.
+2. (inv. 1) Remote commit (fsspec, no atomic rename): files go straight into
+   ``step-N/`` and the manifest is written last; it is the commit mark. Removal
+   deletes the manifest first, so a half-removed step is never trusted.
+3. (inv. 3) Only a writer holding the lock cleans leftovers (``.tmp-*``,
+   ``.trash-*``, remote steps without a manifest), so it never deletes a save
+   that another live process is still writing.
+4. Retention removes a local step by renaming it to ``.trash-*`` first, so a
+   crash mid-delete never leaves a half-deleted ``step-N``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import uuid
+from typing import Any, Protocol
+
+from torchckpt.state.errors import CheckpointLockedError, CheckpointWriteError
+from torchckpt.state.format import (
+    CORRUPT_PREFIX,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    parse_step_dir_name,
+    step_dir_name,
+)
+
+
+class StepWriter(Protocol):
+    """Writes the files of one step, then commits them (or aborts)."""
+
+    def write(self, name: str, data: bytes) -> None: ...
+    def commit(self, manifest: bytes) -> None: ...
+    def abort(self) -> None: ...
+
+
+class Storage(Protocol):
+    """A checkpoint directory on some filesystem (see :func:`open_storage`)."""
+
+    location: str
+
+    def path_of(self, entry: str, name: str | None = None) -> str: ...
+    def step_entries(self) -> dict[int, str]: ...
+    def read_file(self, entry: str, name: str) -> bytes: ...
+    def file_size(self, entry: str, name: str) -> int | None: ...
+    def begin_step(self, step: int) -> StepWriter: ...
+    def remove_step(self, step: int) -> None: ...
+    def clean_leftovers(self) -> list[str]: ...
+    def acquire_lock(self) -> None: ...
+    def release_lock(self) -> None: ...
+
+
+def open_storage(location: str | os.PathLike[str]) -> Storage:
+    """Storage for a local path or an fsspec URL (``s3://``, ``memory://``, ...).
+
+    Example:
+        >>> open_storage("/tmp/torchckpt-doctest").location
+        '/tmp/torchckpt-doctest'
+    """
+    text = os.fspath(location)
+    if "://" in text and not text.startswith("file://"):
+        return FsspecStorage(text)
+    return LocalStorage(text.removeprefix("file://"))
+
+
+def _holder_record() -> dict[str, Any]:
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "since_unix_s": time.time(),
+        "command": " ".join(sys.argv)[:300],
+    }
+
+
+def _describe_holder(raw: bytes) -> str:
+    try:
+        holder = json.loads(raw.decode("utf-8"))
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since_unix_s"]))
+        return f"pid {holder['pid']} on host {holder['host']} since {since} ({holder['command']!r})"
+    except (ValueError, KeyError, TypeError):
+        return "an unknown process (the lock file is unreadable)"
+
+
+def _write_error(path: str, error: OSError, done_bytes: int, total_bytes: int) -> CheckpointWriteError:
+    reason = "no space left on device" if error.errno == errno.ENOSPC else os.strerror(error.errno or 0)
+    return CheckpointWriteError(
+        f"{path}: save failed after writing {done_bytes} of {total_bytes} bytes: {reason} "
+        f"({error}). The partial save was discarded; earlier checkpoints are untouched. "
+        "Fix: free space or point the Checkpointer at a larger disk, then save again."
+    )
+
+
+def _write_fully(fd: int, data: bytes) -> int:
+    """Write all of ``data`` to ``fd``; returns bytes written (a partial write loops)."""
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done : done + (64 << 20)])
+    return done
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStorage:
+    """A checkpoint directory on a local (POSIX) filesystem."""
+
+    def __init__(self, root: str) -> None:
+        self.location = root
+        self._lock_fd: int | None = None
+
+    def path_of(self, entry: str, name: str | None = None) -> str:
+        """Filesystem path of a step entry or a file in it."""
+        return os.path.join(self.location, entry) if name is None else os.path.join(self.location, entry, name)
+
+    def step_entries(self) -> dict[int, str]:
+        """Committed step directories by step (``step-N``; temp dirs excluded)."""
+        try:
+            names = os.listdir(self.location)
+        except FileNotFoundError:
+            return {}
+        steps = {parse_step_dir_name(name): name for name in names}
+        steps.pop(None, None)
+        return steps  # type: ignore[return-value]
+
+    def read_file(self, entry: str, name: str) -> bytes:
+        """Bytes of one file (raises FileNotFoundError if missing)."""
+        with open(self.path_of(entry, name), "rb") as handle:
+            return handle.read()
+
+    def file_size(self, entry: str, name: str) -> int | None:
+        """Size in bytes of one file, or None if it is missing."""
+        try:
+            return os.stat(self.path_of(entry, name)).st_size
+        except FileNotFoundError:
+            return None
+
+    def begin_step(self, step: int) -> _LocalStepWriter:
+        """Start writing ``step`` into a fresh temp directory (rule 1)."""
+        os.makedirs(self.location, exist_ok=True)
+        temp = f"{TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:12]}"
+        return _LocalStepWriter(self, step, temp)
+
+    def remove_step(self, step: int) -> None:
+        """Delete a committed step: rename to ``.trash-*``, then delete (rule 4)."""
+        entry = step_dir_name(step)
+        trash = f"{TRASH_PREFIX}{entry}-{uuid.uuid4().hex[:12]}"
+        os.rename(self.path_of(entry), self.path_of(trash))
+        _fsync_dir(self.location)
+        shutil.rmtree(self.path_of(trash), ignore_errors=True)
+
+    def move_aside(self, entry: str) -> str:
+        """Rename a corrupt step out of the way (kept for inspection as ``.corrupt-*``)."""
+        target = f"{CORRUPT_PREFIX}{entry}-{uuid.uuid4().hex[:12]}"
+        os.rename(self.path_of(entry), self.path_of(target))
+        return target
+
+    def clean_leftovers(self) -> list[str]:
+        """Delete temp and trash directories of interrupted saves; only call with the lock (rule 3)."""
+        if not os.path.isdir(self.location):
+            return []
+        removed = [n for n in os.listdir(self.location) if n.startswith((TMP_PREFIX, TRASH_PREFIX))]
+        for name in removed:
+            shutil.rmtree(self.path_of(name), ignore_errors=True)
+        return removed
+
+    def acquire_lock(self) -> None:
+        """Take the writer lock (``flock``; released by the kernel if the process dies)."""
+        import fcntl
+
+        os.makedirs(self.location, exist_ok=True)
+        path = os.path.join(self.location, LOCK_NAME)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe_holder(os.pread(fd, 4096, 0))
+            os.close(fd)
+            raise CheckpointLockedError(
+                f"{self.location} is locked by {holder}: another Checkpointer is writing there. "
+                "Two writers in one directory would delete each other's checkpoints. Fix: stop "
+                "that run or use another directory (reading with `torchckpt ls/verify` needs no lock)."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_holder_record()).encode("utf-8"), 0)
+        self._lock_fd = fd
+
+    def release_lock(self) -> None:
+        """Release the writer lock (idempotent)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
+
+class _LocalStepWriter:
+    """Writes one step into its temp directory and commits it by rename (rule 1)."""
+
+    def __init__(self, storage: LocalStorage, step: int, temp_entry: str) -> None:
+        self._storage = storage
+        self._step = step
+        self._temp = storage.path_of(temp_entry)
+        self._wrap(lambda: os.mkdir(self._temp), self._temp, 0)
+
+    def write(self, name: str, data: bytes) -> None:
+        """Write and fsync one file."""
+        path = os.path.join(self._temp, name)
+        progress = [0]
+
+        def write_and_sync() -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                progress[0] = _write_fully(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        self._wrap(write_and_sync, path, len(data), progress)
+
+    def commit(self, manifest: bytes) -> None:
+        """Write the manifest last, then rename into place and fsync the parent."""
+        self.write(MANIFEST_NAME, manifest)
+        final_entry = step_dir_name(self._step)
+        final = self._storage.path_of(final_entry)
+
+        def publish() -> None:
+            _fsync_dir(self._temp)
+            if os.path.lexists(final):  # the caller checked it is not a valid checkpoint
+                self._storage.move_aside(final_entry)
+            os.rename(self._temp, final)
+            _fsync_dir(self._storage.location)
+
+        self._wrap(publish, final, 0)
+
+    def abort(self) -> None:
+        """Discard the temp directory (best effort; start-up cleans what is left)."""
+        shutil.rmtree(self._temp, ignore_errors=True)
+
+    def _wrap(self, action, path: str, total: int, progress: list[int] | None = None) -> None:
+        try:
+            action()
+        except OSError as error:
+            self.abort()
+            raise _write_error(path, error, progress[0] if progress else 0, total) from error
+
+
+class FsspecStorage:
+    """A checkpoint directory behind an fsspec URL; the manifest is the commit mark (rule 2)."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            import fsspec
+        except ImportError:
+            raise CheckpointWriteError(
+                f"{url}: remote checkpoint paths need fsspec, which is not installed. "
+                "Fix: pip install fsspec (plus s3fs/gcsfs for your store)."
+            ) from None
+        self.location = url
+        self._fs, self._root = fsspec.core.url_to_fs(url)
+        self._holds_lock = False
+
+    def path_of(self, entry: str, name: str | None = None) -> str:
+        """URL of a step entry or a file in it."""
+        inner = f"{self._root}/{entry}" if name is None else f"{self._root}/{entry}/{name}"
+        return self._fs.unstrip_protocol(inner)
+
+    def _inner(self, entry: str, name: str | None = None) -> str:
+        return f"{self._root}/{entry}" if name is None else f"{self._root}/{entry}/{name}"
+
+    def _names(self) -> list[str]:
+        try:
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self._fs.ls(self._root, detail=False)]
+        except FileNotFoundError:
+            return []
+
+    def step_entries(self) -> dict[int, str]:
+        """Step directories by step (committed or not; the manifest decides)."""
+        steps = {parse_step_dir_name(name): name for name in self._names()}
+        steps.pop(None, None)
+        return steps  # type: ignore[return-value]
+
+    def read_file(self, entry: str, name: str) -> bytes:
+        """Bytes of one file (raises FileNotFoundError if missing)."""
+        return self._fs.cat_file(self._inner(entry, name))
+
+    def file_size(self, entry: str, name: str) -> int | None:
+        """Size in bytes of one file, or None if it is missing."""
+        try:
+            return int(self._fs.size(self._inner(entry, name)))
+        except FileNotFoundError:
+            return None
+
+    def begin_step(self, step: int) -> _FsspecStepWriter:
+        """Start writing ``step`` in place; an uncommitted leftover is removed first."""
+        entry = step_dir_name(step)
+        if self._fs.exists(self._inner(entry)):
+            self._remove_entry(entry)
+        self._fs.makedirs(self._inner(entry), exist_ok=True)
+        return _FsspecStepWriter(self, entry)
+
+    def _remove_entry(self, entry: str) -> None:
+        manifest = self._inner(entry, MANIFEST_NAME)
+        if self._fs.exists(manifest):
+            self._fs.rm(manifest)  # un-commit first (rule 2)
+        self._fs.rm(self._inner(entry), recursive=True)
+
+    def remove_step(self, step: int) -> None:
+        """Delete a committed step, manifest first (rule 2)."""
+        self._remove_entry(step_dir_name(step))
+
+    def clean_leftovers(self) -> list[str]:
+        """Delete step directories that have no manifest; only call with the lock (rule 3)."""
+        removed = [
+            entry
+            for entry in self.step_entries().values()
+            if not self._fs.exists(self._inner(entry, MANIFEST_NAME))
+        ]
+        for entry in removed:
+            self._fs.rm(self._inner(entry), recursive=True)
+        return removed
+
+    def acquire_lock(self) -> None:
+        """Best-effort lock: a ``.lock`` file naming its holder (object stores lack flock)."""
+        path = self._inner(LOCK_NAME)
+        if self._fs.exists(path):
+            holder = _describe_holder(self._fs.cat_file(path))
+            raise CheckpointLockedError(
+                f"{self.location} is locked by {holder}. Fix: stop that run or use another "
+                f"directory; if that process is dead, delete {self._fs.unstrip_protocol(path)}."
+            )
+        self._fs.makedirs(self._root, exist_ok=True)
+        self._fs.pipe_file(path, json.dumps(_holder_record()).encode("utf-8"))
+        self._holds_lock = True
+
+    def release_lock(self) -> None:
+        """Delete the lock file if this object created it (idempotent)."""
+        if self._holds_lock:
+            self._fs.rm(self._inner(LOCK_NAME))
+            self._holds_lock = False
+
+
+class _FsspecStepWriter:
+    """Writes one step's files in place; the manifest, written last, commits it."""
+
+    def __init__(self, storage: FsspecStorage, entry: str) -> None:
+        self._storage = storage
+        self._entry = entry
+
+    def write(self, name: str, data: bytes) -> None:
+        """Upload one file."""
+        path = self._storage._inner(self._entry, name)
+        try:
+            self._storage._fs.pipe_file(path, data)
+        except OSError as error:
+            self.abort()
+            raise _write_error(self._storage.path_of(self._entry, name), error, 0, len(data)) from error
+
+    def commit(self, manifest: bytes) -> None:
+        """Upload the manifest: from now on the step is a checkpoint."""
+        self.write(MANIFEST_NAME, manifest)
+
+    def abort(self) -> None:
+        """Remove what was uploaded (best effort; start-up cleans what is left)."""
+        try:
+            self._storage._remove_entry(self._entry)
+        except OSError:
+            pass
