@@ -132,6 +132,7 @@ class MemoryMeter:
         self.optimizer = optimizer
         self._live: dict[int, int] = {}  # id(storage) -> bytes counted for it
         self._refs: dict[int, weakref.ref] = {}
+        self._uncounted: dict[int, weakref.ref] = {}  # alive at entry with include_existing=False
         self._current = 0
         self._peak = 0
         self._baseline = 0
@@ -150,8 +151,7 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_offset = 0 if self.include_existing else torch.cuda.memory_allocated(self.device)
             return self
-        if self.include_existing:
-            self._scan_existing()
+        self._scan_existing()
         self._baseline = self._current
         self._peak = self._current
         self._mode = _StorageTracker(self)
@@ -173,6 +173,7 @@ class MemoryMeter:
             self._mode = None
             self._refs.clear()  # figures stay as they were at exit: later frees are not ours to count
             self._live.clear()
+            self._uncounted.clear()
         self._active = False
 
     # ----------------------------------------------------------------- figures
@@ -262,15 +263,25 @@ class MemoryMeter:
 
     # ----------------------------------------------------------------- bookkeeping
     def _scan_existing(self) -> None:
+        """Rule 3: storages alive at entry are the baseline (or, without include_existing, ignored)."""
         for obj in gc.get_objects():
-            if issubclass(type(obj), torch.Tensor):  # type(), not isinstance: no proxy __class__ lookups
+            if not issubclass(type(obj), torch.Tensor):  # type(), not isinstance: no proxy __class__ lookups
+                continue
+            if self.include_existing:
                 self._observe(obj)
+                continue
+            storage = _storage_of(obj, self.device.type)
+            if storage is not None and id(storage) not in self._uncounted:
+                key = id(storage)
+                self._uncounted[key] = weakref.ref(storage, lambda _ref, key=key, d=self._uncounted: d.pop(key, None))
 
     def _observe(self, tensor: torch.Tensor) -> None:
         storage = _storage_of(tensor, self.device.type)
         if storage is None:
             return
         key = id(storage)
+        if key in self._uncounted:
+            return
         nbytes = storage.nbytes()
         counted = self._live.get(key)
         if counted is None:

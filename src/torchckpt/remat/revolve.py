@@ -281,7 +281,7 @@ class CheckpointPlanner:
     def start(self) -> list[Action]:
         """Store the initial state x_0 (rule 1: it takes one of the slots)."""
         self._stored = [0]
-        self._levels = {0: _PERMANENT}
+        self._levels = {0: _PERMANENT, 1: 0}  # online set W: x_0 and the next state (see after_step)
         self._position = 0
         return [Action("store", 0, 0)]
 
@@ -332,31 +332,43 @@ class CheckpointPlanner:
         return Action("store", index, index)
 
     def after_step(self, index: int) -> list[Action]:
-        """Online variant: x_``index`` was just computed; store it, evicting one state if full.
+        """Online variant: x_``index`` is live and step ``index + 1`` will run; keep x_``index``?
 
-        Levels after Wang, Moin & Iaccarino (2009): a stored state is *dispensable* when a later stored
-        state has a higher level. A full planner evicts the latest dispensable state and stores the new
-        one at level 0; with none dispensable it replaces the latest state (level ``k``) by the new one
-        at level ``k + 1``. x_0 is never evicted.
+        Levels after Wang, Moin & Iaccarino (2009). Their rule keeps a set ``W`` of ``checkpoints + 1``
+        states that always contains the newest one; here the newest is the live carry, and the last
+        step's graph comes from the forward pass, so only ``W`` minus the newest is stored. Admitting
+        a new state to a full ``W``: evict the latest *dispensable* state (one with a later state of
+        higher level) and give the new state level 0; with none dispensable, the newest state makes
+        way and the new one takes its level + 1. x_0 is never evicted.
+
+        The admission of x_{index+1} depends only on ``W`` now, so it is decided here, while
+        x_``index`` is still live and can be stored if it stays in ``W``.
         """
         _check_positive("index", index)
+        evicted = self._admit(index + 1)
         actions: list[Action] = []
-        level = 0
-        if len(self._stored) >= self.checkpoints:
-            victim = self._latest_dispensable()
-            if victim is None:
-                victim = self._stored[-1]
-                level = self._levels[victim] + 1
-            if victim == 0:  # only x_0 is held (checkpoints == 1): nothing can be evicted
-                self._position = index
-                return actions
-            self._stored.remove(victim)
-            del self._levels[victim]
-            actions.append(Action("free", victim, victim))
-        self._levels[index] = level
-        actions.append(self._store(index))
+        if evicted is not None and evicted != index:
+            self._stored.remove(evicted)
+            actions.append(Action("free", evicted, evicted))
+        if index in self._levels:
+            actions.append(self._store(index))
         self._position = index
         return actions
+
+    def _admit(self, new: int) -> int | None:
+        """Add state ``new`` to ``W`` (the online set, newest included); return the state evicted."""
+        levels = self._levels
+        if len(levels) < self.checkpoints + 1:
+            levels[new] = 0
+            return None
+        victim = self._latest_dispensable()
+        level = 0
+        if victim is None:
+            victim = max(levels)
+            level = levels[victim] + 1
+        del levels[victim]
+        levels[new] = level
+        return victim
 
     def end_forward(self, steps: int) -> list[Action]:
         """Online variant: the loop ended after ``steps`` steps; x_``steps`` is the output.
@@ -371,7 +383,7 @@ class CheckpointPlanner:
 
     def _latest_dispensable(self) -> int | None:
         highest_later = -1
-        for index in reversed(self._stored):
+        for index in sorted(self._levels, reverse=True)[:-1]:  # x_0 (last) is never evicted
             level = self._levels[index]
             if level < highest_later:
                 return index
@@ -415,7 +427,7 @@ def online_schedule(steps: int, checkpoints: int) -> RevolveSchedule:
 
     Example:
         >>> online_schedule(4, 2).lines()[:6]
-        ['store 0', 'advance 0->1', 'store 1', 'advance 1->2', 'free 1', 'store 2']
+        ['store 0', 'advance 0->1', 'store 1', 'advance 1->2', 'advance 2->3', 'free 1']
     """
     _check_positive("steps", steps)
     _check_positive("checkpoints", checkpoints)

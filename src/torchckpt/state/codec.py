@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,7 +76,7 @@ def _encode(
         return value
     if isinstance(value, torch.Tensor):
         return _encode_tensor(value, path, item, tensors, seen)
-    if type(value) is dict:
+    if type(value) in (dict, OrderedDict):  # state_dict() returns an OrderedDict
         return _encode_dict(value, path, item, tensors, seen)
     if type(value) is list:
         return [_encode(v, path + (str(i),), item, tensors, seen) for i, v in enumerate(value)]
@@ -252,8 +253,9 @@ def refuse_executable_formats(data: bytes, path: str) -> None:
     if not (is_pickle or is_zip):
         return
     kind = "a Python pickle" if is_pickle else "a zip archive (torch.save format, holds a pickle)"
-    raise UnsafeFileError(
-        f"{path}: expected a torchckpt file, found {kind}. It was refused unread: loading a "
+    problem = (
+        f"expected a torchckpt file, found {kind}. It was refused unread: loading a "
         "pickle can run arbitrary code. Fix: if you trust its origin, convert it once with "
         "torchckpt.state.import_torch_save (weights_only=True) or `torchckpt import`."
     )
+    raise UnsafeFileError(f"{path}: {problem}", {path: problem})

@@ -49,8 +49,11 @@ class UnsupportedStateError(CheckpointError):
     """A state_dict holds a value that cannot be stored without pickle."""
 
 
-class UnsafeFileError(CheckpointError):
-    """A file is a pickle (or other executable format) and was refused unread."""
+class UnsafeFileError(CheckpointCorruptError):
+    """A file is a pickle (or other executable format) and was refused unread.
+
+    It is a kind of corruption: restore skips such a step like any corrupt one.
+    """
 
 
 class CheckpointFallbackWarning(UserWarning):

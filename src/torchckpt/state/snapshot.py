@@ -13,6 +13,7 @@ Rules kept here:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,9 @@ def _is_flat(tree: Any) -> bool:
 def _encode_item(name: str, kind: str, state: Any, files: dict[str, bytes]) -> dict[str, Any]:
     tree, tensors = split_tensors(state, name)
     meta: dict[str, Any] = {"kind": kind, "tensor_file": None, "tree_file": None, "tree": None}
+    module_metadata = getattr(state, "_metadata", None)  # nn.Module versions, read by load_state_dict
+    if module_metadata is not None:
+        meta["module_metadata"] = split_tensors(dict(module_metadata), name)[0]
     if not tensors:
         meta["tree"] = tree
         return meta
@@ -119,6 +123,14 @@ def decode_snapshot(
 
 
 def _decode_item(meta: Mapping[str, Any], files: Mapping[str, bytes], path_of) -> tuple[str, Any]:
+    kind, state = _decode_item_state(meta, files, path_of)
+    if meta.get("module_metadata") is not None:
+        state = OrderedDict(state)
+        state._metadata = join_tensors(meta["module_metadata"], {}, path_of(STATE_NAME))  # type: ignore[attr-defined]
+    return kind, state
+
+
+def _decode_item_state(meta: Mapping[str, Any], files: Mapping[str, bytes], path_of) -> tuple[str, Any]:
     tensors = {}
     if meta["tensor_file"] is not None:
         name = meta["tensor_file"]

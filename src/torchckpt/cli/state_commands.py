@@ -1,0 +1,135 @@
+"""``torchckpt ls / verify / export / import``: inspect and convert training-state checkpoints.
+
+Every command prints a one-line error (no traceback) and exits with 2 when the
+input is unusable; ``verify`` exits with 1 when a checkpoint is corrupt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+from torchckpt.state import (
+    CheckpointError,
+    CheckpointInfo,
+    export_model_weights,
+    import_torch_save,
+    list_checkpoints,
+    verify_checkpoint,
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the four state subcommands to the ``torchckpt`` parser.
+
+    Example:
+        >>> parser = argparse.ArgumentParser(); register(parser.add_subparsers())
+        >>> parser.parse_args(["verify", "runs/x", "--step", "3"]).step
+        3
+    """
+    ls = subparsers.add_parser("ls", help="list the checkpoints of a run directory")
+    ls.add_argument("directory", help="run directory (path or fsspec URL)")
+    ls.add_argument("--full", action="store_true", help="hash every file (default: sizes only)")
+    ls.set_defaults(func=_guarded(_run_ls))
+
+    verify = subparsers.add_parser("verify", help="check checkpoints against their manifests (hashes)")
+    verify.add_argument("directory")
+    verify.add_argument("--step", type=int, default=None, help="verify only this step")
+    verify.add_argument("--fast", action="store_true", help="check sizes only, not hashes")
+    verify.set_defaults(func=_guarded(_run_verify))
+
+    export = subparsers.add_parser("export", help="write a step's model weights to one safetensors file")
+    export.add_argument("directory")
+    export.add_argument("--step", type=int, default=None, help="default: newest valid step")
+    export.add_argument("--out", required=True, help="output .safetensors path")
+    export.add_argument("--item", default="model", help="item holding the weights (default: model)")
+    export.set_defaults(func=_guarded(_run_export))
+
+    imp = subparsers.add_parser("import", help="convert a torch.save file (weights_only) into a checkpoint")
+    imp.add_argument("file", help="a .pt/.pth file written by torch.save")
+    imp.add_argument("directory")
+    imp.add_argument("--step", type=int, default=None, help="default: its 'step' key, else 0")
+    imp.set_defaults(func=_guarded(_run_import))
+
+
+def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except (CheckpointError, ValueError, OSError) as error:
+            print(f"torchckpt: error: {error}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def format_bytes(size_bytes: int | None) -> str:
+    """Human-readable size with binary units.
+
+    Example:
+        >>> format_bytes(1536), format_bytes(None)
+        ('1.5 KiB', '-')
+    """
+    if size_bytes is None:
+        return "-"
+    value = float(size_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _format_time(unix_s: float | None) -> str:
+    return "-" if unix_s is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_s))
+
+
+def _valid_text(info: CheckpointInfo) -> str:
+    return "yes" if info.valid else f"NO: {info.problem}"
+
+
+def _run_ls(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    infos = list_checkpoints(args.directory, verify="full" if args.full else "fast")
+    if not infos:
+        print(f"{args.directory}: no checkpoints")
+        return 0
+    table = Table(title=f"checkpoints in {args.directory}")
+    for column in ("step", "time", "size", "metrics", "valid"):
+        table.add_column(column, overflow="fold")
+    for info in infos:
+        metrics = " ".join(f"{k}={v:.6g}" for k, v in info.metrics.items())
+        table.add_row(str(info.step), _format_time(info.created_unix_s), format_bytes(info.size_bytes), metrics, _valid_text(info))
+    Console(file=sys.stdout, width=160).print(table)
+    return 0
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    infos = verify_checkpoint(args.directory, step=args.step, verify="fast" if args.fast else "full")
+    if not infos:
+        print(f"{args.directory}: no checkpoints to verify")
+        return 1
+    for info in infos:
+        if info.valid:
+            print(f"step {info.step}: OK ({format_bytes(info.size_bytes)})")
+            continue
+        print(f"step {info.step}: CORRUPT")
+        for path, problem in (info.problems or {info.path: info.problem}).items():
+            print(f"  {path}: {problem}")
+    return 0 if all(info.valid for info in infos) else 1
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    step = export_model_weights(args.directory, args.out, step=args.step, item=args.item)
+    print(f"exported step {step} ({args.item} weights) to {args.out}")
+    return 0
+
+
+def _run_import(args: argparse.Namespace) -> int:
+    step = import_torch_save(args.file, args.directory, step=args.step)
+    print(f"imported {args.file} as step {step} into {args.directory}")
+    return 0

@@ -1,0 +1,387 @@
+"""Checkpointer: save, restore, retention, async writes, save policies and preemption.
+
+Rules kept here (DESIGN.md invariants in parentheses):
+
+1. (inv. 1) Restore reads only steps whose manifest validates; it takes the
+   newest such step, reports every corrupt newer one, and falls back unless
+   ``fallback=False``. If steps exist but none is valid it raises: starting from
+   scratch silently would lose the run.
+2. (inv. 3) Retention runs after a commit, on valid committed steps only, and
+   always keeps the newest one. Temp directories of a save in flight are
+   invisible to it.
+3. At most one save is in flight. ``save`` first waits for the previous one and
+   re-raises its error; ``close``, ``restore`` and ``wait`` do the same.
+4. Tensors are serialised to host bytes inside ``save`` (synchronously), so
+   training may mutate them while the background thread hashes and writes.
+5. A committed step is immutable: saving a step that already holds a valid
+   checkpoint is an error; a corrupt one is moved aside to ``.corrupt-*``.
+6. One writer per directory: the lock is taken when the Checkpointer is built
+   and leftovers of interrupted saves are cleaned only then.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from torchckpt.state.capture import apply_item, capture_item, capture_rng, check_item_name, restore_rng
+from torchckpt.state.catalog import VERIFY_MODES, CheckpointInfo, inspect_step
+from torchckpt.state.reader import read_newest_valid
+from torchckpt.state.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointMismatchError,
+)
+from torchckpt.state.format import (
+    HASH_FUNCTIONS,
+    FileEntry,
+    Manifest,
+    encode_manifest,
+    hash_bytes,
+    metric_value,
+    step_dir_name,
+)
+from torchckpt.state.preemption import PreemptionHandler, parse_signals
+from torchckpt.state.retention import RetentionPolicy, steps_to_keep
+from torchckpt.state.snapshot import Snapshot, encode_snapshot
+from torchckpt.state.storage import Storage, open_storage
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointerConfig:
+    """Options of a :class:`Checkpointer`; checked when built.
+
+    Example:
+        >>> CheckpointerConfig(keep_last=3, save_every_steps=100).verify
+        'full'
+    """
+
+    keep_last: int | None = None
+    keep_best: tuple[str, str, int] | None = None
+    keep_every: int | None = None
+    async_save: bool = False
+    save_every_steps: int | None = None
+    save_every_seconds: float | None = None
+    verify: str = "full"
+    fallback: bool = True
+    capture_rng: bool = True
+    hash_algorithm: str = "sha256"
+    save_on_preemption: bool = False
+    preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGINT")
+
+    def __post_init__(self) -> None:
+        self.retention  # validates keep_* options
+        if self.save_every_steps is not None and (type(self.save_every_steps) is not int or self.save_every_steps < 1):
+            raise ValueError(f"save_every_steps={self.save_every_steps!r}: expected a positive int or None")
+        if self.save_every_seconds is not None and not (
+            isinstance(self.save_every_seconds, (int, float)) and self.save_every_seconds > 0
+        ):
+            raise ValueError(f"save_every_seconds={self.save_every_seconds!r}: expected a positive number or None")
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"verify={self.verify!r}: expected one of {VERIFY_MODES}")
+        if self.hash_algorithm not in HASH_FUNCTIONS:
+            raise ValueError(f"hash_algorithm={self.hash_algorithm!r}: expected one of {sorted(HASH_FUNCTIONS)}")
+        hash_bytes(b"", self.hash_algorithm)  # fails early if an optional hash library is missing
+        parse_signals(self.preemption_signals)
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        """The keep_* options as a retention policy."""
+        return RetentionPolicy(keep_last=self.keep_last, keep_best=self.keep_best, keep_every=self.keep_every)
+
+
+class Checkpointer:
+    """Saves and restores training state in one directory (local path or fsspec URL).
+
+    Example:
+        >>> import tempfile, torch
+        >>> model = torch.nn.Linear(2, 2)
+        >>> with Checkpointer(tempfile.mkdtemp(), keep_last=2) as ckpt:
+        ...     ckpt.restore(model=model) is None
+        ...     ckpt.save(1, model=model, metrics={"loss": 0.5})
+        ...     [info.step for info in ckpt.list()]
+        True
+        [1]
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], config: CheckpointerConfig | None = None, **options: Any) -> None:
+        if config is not None and options:
+            raise TypeError(f"pass either config= or keyword options, not both (got {sorted(options)})")
+        self.config = config if config is not None else CheckpointerConfig(**options)
+        self._storage: Storage = open_storage(directory)
+        self._storage.acquire_lock()  # rule 6
+        self._storage.clean_leftovers()
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: Future[None] | None = None
+        self._last_step: int | None = None
+        self._last_save_monotonic_s = time.monotonic()
+        self._closed = False
+        self._preemption = (
+            PreemptionHandler(parse_signals(self.config.preemption_signals)) if self.config.save_on_preemption else None
+        )
+
+    @property
+    def directory(self) -> str:
+        """The checkpoint directory (path or URL)."""
+        return self._storage.location
+
+    @property
+    def preemption_requested(self) -> bool:
+        """True once a preemption signal arrived (with ``save_on_preemption=True``)."""
+        return self._preemption is not None and self._preemption.requested is not None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ----- saving -------------------------------------------------------------------------
+
+    def save(self, step: int, *, metrics: Mapping[str, object] | None = None, **items: Any) -> None:
+        """Save ``items`` (objects with state_dict, or plain dicts) and RNG streams as ``step``.
+
+        With ``async_save=True`` this returns once tensors are copied to host memory;
+        the write finishes in the background and its error surfaces on the next call.
+
+        Example:
+            >>> import tempfile, torch
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.save(10, model=torch.nn.Linear(2, 2), extras={"epoch": 1}); ckpt.close()
+        """
+        self._check_open()
+        self.wait()  # rule 3
+        _check_step(step)
+        self._check_step_free(step)
+        checked_metrics = {name: metric_value(name, value) for name, value in (metrics or {}).items()}
+        files = self._snapshot(step, items, checked_metrics)  # rule 4
+        if self.config.async_save:
+            self._inflight = self._pool().submit(self._write, step, files, checked_metrics)
+        else:
+            self._write(step, files, checked_metrics)
+        self._last_step = step
+        self._last_save_monotonic_s = time.monotonic()
+
+    def maybe_save(self, step: int, *, metrics: Mapping[str, object] | None = None, **items: Any) -> bool:
+        """Save if a policy says so (every N steps / seconds); on preemption save and exit.
+
+        Returns True when a save was started.
+
+        Example:
+            >>> import tempfile, torch
+            >>> ckpt = Checkpointer(tempfile.mkdtemp(), save_every_steps=2)
+            >>> [ckpt.maybe_save(s, model=torch.nn.Linear(2, 2)) for s in (1, 2, 3)]
+            [False, True, False]
+            >>> ckpt.close()
+        """
+        self._check_open()
+        if self.preemption_requested:
+            self._save_and_exit(step, metrics, items)
+        if not self._due(step):
+            return False
+        self.save(step, metrics=metrics, **items)
+        return True
+
+    def _due(self, step: int) -> bool:
+        config = self.config
+        if config.save_every_steps is None and config.save_every_seconds is None:
+            if config.save_on_preemption:
+                return False
+            raise ValueError(
+                "maybe_save needs a policy: pass save_every_steps, save_every_seconds or "
+                "save_on_preemption=True to the Checkpointer (or call save directly)"
+            )
+        if step == self._last_step:
+            return False
+        by_steps = config.save_every_steps is not None and step % config.save_every_steps == 0
+        elapsed_s = time.monotonic() - self._last_save_monotonic_s
+        by_time = config.save_every_seconds is not None and elapsed_s >= config.save_every_seconds
+        return by_steps or by_time
+
+    def _save_and_exit(self, step: int, metrics: Mapping[str, object] | None, items: Mapping[str, Any]) -> None:
+        signal_name = self._preemption.requested.name  # type: ignore[union-attr]
+        if step != self._last_step and step not in self._storage.step_entries():
+            self.save(step, metrics=metrics, **items)
+        self.close()
+        print(
+            f"torchckpt: {signal_name} received; saved step {step} to {self.directory}; exiting",
+            file=sys.stderr,
+        )
+        raise SystemExit(0)
+
+    def _snapshot(self, step: int, items: Mapping[str, Any], metrics: Mapping[str, float]) -> dict[str, bytes]:
+        captured = {name: capture_item(name, obj) for name, obj in items.items()}
+        rng = capture_rng() if self.config.capture_rng else None
+        return encode_snapshot(step=step, items=captured, rng=rng, metrics=metrics)
+
+    def _write(self, step: int, files: Mapping[str, bytes], metrics: Mapping[str, float]) -> None:
+        algorithm = self.config.hash_algorithm
+        writer = self._storage.begin_step(step)
+        try:
+            entries = {}
+            for name, data in files.items():
+                entries[name] = FileEntry(size_bytes=len(data), hash=hash_bytes(data, algorithm))
+                writer.write(name, data)
+            manifest = Manifest(
+                step=step, created_unix_s=time.time(), hash_algorithm=algorithm, files=entries, metrics=metrics
+            )
+            writer.commit(encode_manifest(manifest))
+        except BaseException:
+            writer.abort()
+            raise
+        self._apply_retention()
+
+    def _check_step_free(self, step: int) -> None:
+        if step not in self._storage.step_entries():
+            return
+        info = inspect_step(self._storage, step, "fast")
+        if info.valid:  # rule 5
+            raise CheckpointExistsError(
+                f"{info.path} already holds a valid checkpoint of step {step}; committed steps are "
+                "never overwritten. Fix: save under a new step number, or delete that directory."
+            )
+
+    def _apply_retention(self) -> None:
+        policy = self.config.retention
+        if policy.keeps_everything:
+            return
+        infos = [inspect_step(self._storage, step, "fast") for step in self._storage.step_entries()]
+        valid = {info.step: info.metrics for info in infos if info.valid}
+        for step in sorted(set(valid) - steps_to_keep(valid, policy)):  # rule 2
+            self._storage.remove_step(step)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchckpt-save")
+        return self._executor
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is committed; re-raise its error (rule 3).
+
+        Example:
+            >>> import tempfile
+            >>> Checkpointer(tempfile.mkdtemp(), async_save=True).wait()
+        """
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        try:
+            inflight.result()
+        except CheckpointError as error:
+            raise type(error)(f"the background save failed: {error}", *error.args[1:]) from error
+
+    # ----- restoring ----------------------------------------------------------------------
+
+    def restore(
+        self,
+        *,
+        step: int | None = None,
+        verify: str | None = None,
+        fallback: bool | None = None,
+        rng: bool | None = None,
+        **items: Any,
+    ) -> int | None:
+        """Load the newest valid step into ``items`` and the RNG streams; returns it, or None.
+
+        ``step`` picks one step (no fallback); ``verify``/``fallback`` override the config.
+        ``rng``: None restores RNG streams when the step has them, True requires them,
+        False leaves this process's RNG streams alone.
+
+        Example:
+            >>> import tempfile, torch
+            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> ckpt.restore(model=torch.nn.Linear(2, 2)) is None
+            True
+            >>> ckpt.close()
+        """
+        self._check_open()
+        self.wait()
+        verify = self.config.verify if verify is None else verify
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify={verify!r}: expected one of {VERIFY_MODES}")
+        for name in items:
+            check_item_name(name)
+        fallback = self.config.fallback if fallback is None else fallback
+        snapshot = read_newest_valid(self._storage, step=step, verify=verify, fallback=fallback, wanted=set(items))
+        if snapshot is None:
+            return None
+        self._apply(snapshot, items, rng)
+        self._last_step = snapshot.step
+        return snapshot.step
+
+    def _apply(self, snapshot: Snapshot, items: Mapping[str, Any], rng: bool | None) -> None:
+        state_path = self._storage.path_of(step_dir_name(snapshot.step), "state.json")
+        missing = [name for name in items if name not in snapshot.item_names]
+        if missing:
+            raise CheckpointMismatchError(
+                f"{state_path}: no item(s) {missing}; the checkpoint holds {list(snapshot.item_names)}. "
+                "Fix: pass only items that were saved (names must match the save call)."
+            )
+        if rng and snapshot.rng is None:
+            raise CheckpointMismatchError(
+                f"{state_path}: saved without RNG streams (capture_rng=False or imported). "
+                "Fix: restore(..., rng=None) restores RNG only when it was saved."
+            )
+        for name, obj in items.items():
+            kind, state = snapshot.items[name]
+            apply_item(name, obj, kind, state, state_path)
+        if rng is not False and snapshot.rng is not None:
+            restore_rng(snapshot.rng, state_path)
+
+    # ----- inspecting and closing ---------------------------------------------------------
+
+    def list(self, verify: str = "fast") -> list[CheckpointInfo]:
+        """Every step, oldest first, with size, metrics, and valid or why not.
+
+        Example:
+            >>> import tempfile
+            >>> ckpt = Checkpointer(tempfile.mkdtemp()); ckpt.list(); ckpt.close()
+            []
+        """
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify={verify!r}: expected one of {VERIFY_MODES}")
+        return [inspect_step(self._storage, step, verify) for step in sorted(self._storage.step_entries())]  # type: ignore[arg-type]
+
+    def latest_step(self) -> int | None:
+        """The newest step whose manifest and file sizes validate, or None.
+
+        Example:
+            >>> import tempfile
+            >>> ckpt = Checkpointer(tempfile.mkdtemp()); print(ckpt.latest_step()); ckpt.close()
+            None
+        """
+        valid = [info.step for info in self.list("fast") if info.valid]
+        return max(valid) if valid else None
+
+    def close(self) -> None:
+        """Wait for the in-flight save, release the lock and signal handlers; re-raise a save error.
+
+        Example:
+            >>> import tempfile
+            >>> ckpt = Checkpointer(tempfile.mkdtemp()); ckpt.close(); ckpt.close()
+        """
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            if self._preemption is not None:
+                self._preemption.uninstall()
+            self._storage.release_lock()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"this Checkpointer for {self.directory} is closed; build a new one")
+
+
+def _check_step(step: object) -> None:
+    if type(step) is not int or step < 0:
+        raise ValueError(f"step={step!r}: expected a non-negative int")

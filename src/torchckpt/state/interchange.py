@@ -1,0 +1,177 @@
+"""Interchange with other formats: import a ``torch.save`` file, export model weights.
+
+Rules kept here:
+
+1. (inv. 2) A ``torch.save`` file is read only with ``torch.load(weights_only=True)``,
+   PyTorch's restricted unpickler that builds tensors and plain containers and
+   refuses everything else (no code from the file runs). Refusals are explained.
+2. Export writes the model's tensors under their state_dict keys into one
+   safetensors file, through a temp file and a rename, so a crash never leaves
+   a half-written output.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from torchckpt.state.errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, UnsafeFileError
+from torchckpt.state.reader import read_newest_valid
+from torchckpt.state.storage import open_storage
+
+_MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module", "net")
+_OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "opt")
+_SCHEDULER_KEYS = ("scheduler", "lr_scheduler", "scheduler_state_dict", "sched")
+_STEP_KEYS = ("step", "global_step", "iteration", "iter")
+
+
+class _StoredState:
+    """An item holding an already-captured state_dict (what an import writes)."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    def state_dict(self) -> Any:
+        return self._state
+
+    def load_state_dict(self, state: Any) -> None:
+        self._state = state
+
+
+def _load_weights_only(path: str) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: no such file") from None
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, ValueError, EOFError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        problem = (
+            f"torch.load(weights_only=True) refused it ({first_line}). The file holds objects "
+            "other than tensors and plain containers; building them would run code named by the "
+            "file, which torchckpt never does. Fix: in a trusted environment, load it with its own "
+            "code and save the state_dicts with torchckpt.Checkpointer instead."
+        )
+        raise UnsafeFileError(f"{path}: {problem}", {path: problem}) from None
+
+
+def _is_tensor_map(value: object) -> bool:
+    return isinstance(value, Mapping) and bool(value) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items()
+    )
+
+
+def _first_key(loaded: Mapping[str, Any], names: tuple[str, ...]) -> str | None:
+    return next((name for name in names if name in loaded), None)
+
+
+def split_legacy_items(loaded: Any, path: str) -> tuple[dict[str, Any], int | None]:
+    """Items (name -> state) and step found in a ``torch.save`` payload.
+
+    Example:
+        >>> items, step = split_legacy_items({"model": {"w": torch.ones(1)}, "step": 7, "epoch": 2}, "x.pt")
+        >>> sorted(items), step
+        (['extras', 'model'], 7)
+    """
+    if _is_tensor_map(loaded):
+        return {"model": dict(loaded)}, None
+    if not isinstance(loaded, Mapping) or not all(isinstance(k, str) for k in loaded):
+        raise CheckpointMismatchError(
+            f"{path}: expected a state_dict or a dict of state_dicts, found {type(loaded).__name__}. "
+            "Fix: save a dict such as {'model': model.state_dict(), 'optimizer': opt.state_dict()}."
+        )
+    items: dict[str, Any] = {}
+    extras: dict[str, Any] = {}
+    step_key = _first_key(loaded, _STEP_KEYS)
+    for key, value in loaded.items():
+        name = _item_name(key)
+        if isinstance(value, Mapping) and name is not None:
+            items[name] = dict(value)
+        elif key != step_key:
+            extras[key] = value
+    if extras:
+        items["extras"] = extras
+    step = int(loaded[step_key]) if step_key is not None and isinstance(loaded[step_key], int) else None
+    return items, step
+
+
+def _item_name(key: str) -> str | None:
+    for canonical, aliases in (("model", _MODEL_KEYS), ("optimizer", _OPTIMIZER_KEYS), ("scheduler", _SCHEDULER_KEYS)):
+        if key in aliases:
+            return canonical
+    cleaned = re.sub(r"[^A-Za-z0-9_]", "_", key)
+    return cleaned if re.match(r"^[A-Za-z_]", cleaned) and cleaned not in ("state", "manifest", "metrics", "rng", "step") else None
+
+
+def import_torch_save(path: str | os.PathLike[str], directory: str | os.PathLike[str], step: int | None = None) -> int:
+    """Convert a ``torch.save`` file into a torchckpt checkpoint; returns its step.
+
+    The file is read with ``weights_only=True`` only (rule 1). Items: ``model``,
+    ``optimizer``, ``scheduler`` (from common key names), other dicts under their
+    own names, and scalars in ``extras``. The step comes from ``step`` or a
+    ``step``/``global_step`` key, else 0. Imported steps carry no RNG streams.
+
+    Example:
+        >>> import tempfile
+        >>> src = os.path.join(tempfile.mkdtemp(), "old.pt")
+        >>> torch.save({"model": torch.nn.Linear(2, 2).state_dict(), "step": 5}, src)
+        >>> import_torch_save(src, tempfile.mkdtemp())
+        5
+    """
+    from torchckpt.state.checkpointer import Checkpointer  # imported late: checkpointer imports this package
+
+    source = os.fspath(path)
+    items, found_step = split_legacy_items(_load_weights_only(source), source)
+    chosen = step if step is not None else (found_step if found_step is not None else 0)
+    stored = {name: (value if name == "extras" else _StoredState(value)) for name, value in items.items()}
+    with Checkpointer(directory, capture_rng=False) as checkpointer:
+        checkpointer.save(chosen, **stored)
+    return chosen
+
+
+def export_model_weights(
+    directory: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    step: int | None = None,
+    item: str = "model",
+) -> int:
+    """Write the model weights of the newest valid step (or ``step``) to one safetensors file.
+
+    Keys are the model's state_dict keys (rule 2); non-tensor entries are left out.
+    Returns the exported step.
+
+    Example:
+        >>> import tempfile
+        >>> from torchckpt.state.checkpointer import Checkpointer
+        >>> run = tempfile.mkdtemp()
+        >>> with Checkpointer(run) as ckpt:
+        ...     ckpt.save(3, model=torch.nn.Linear(2, 2))
+        >>> export_model_weights(run, os.path.join(run, "w.safetensors"))
+        3
+    """
+    storage = open_storage(directory)
+    snapshot = read_newest_valid(storage, step=step, verify="full", fallback=True, wanted={item})
+    if snapshot is None:
+        raise CheckpointNotFoundError(f"{storage.location}: no checkpoint to export")
+    if item not in snapshot.items:
+        raise CheckpointMismatchError(f"{storage.location}: step {snapshot.step} has no item {item!r}; it holds {list(snapshot.item_names)}")
+    _, state = snapshot.items[item]
+    tensors = {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+    _write_safetensors_atomically(tensors, os.fspath(out), {"torchckpt_step": str(snapshot.step)})
+    return snapshot.step
+
+
+def _write_safetensors_atomically(tensors: Mapping[str, torch.Tensor], out: str, metadata: dict[str, str]) -> None:
+    temp = f"{out}.tmp-{os.getpid()}"
+    try:
+        safetensors.torch.save_file(dict(tensors), temp, metadata=metadata)
+        os.replace(temp, out)
+    except OSError as error:
+        if os.path.exists(temp):
+            os.remove(temp)
+        raise CheckpointError(f"{out}: could not write the export ({error}). Fix: check the path and free space.") from error
