@@ -13,7 +13,9 @@ from torchckpt.memory import MemoryMeter, read_rss_bytes
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU()) for _ in range(12)])
 x = torch.randn(4096, 1024)
-for _ in range(2):  # warm-up at full size: kernels, thread pools, allocator state and gradients in place
+# Warm-up step at full size, under a meter too: the first dispatch-mode step in a process pays one-off
+# costs (lazy imports inside torch, kernel and thread-pool set-up) that are not tensor memory.
+with MemoryMeter():
     model(x).sum().backward()
 model.zero_grad(set_to_none=False)
 with MemoryMeter() as meter:

@@ -1,0 +1,225 @@
+"""Real-process workers for the state tests (kill -9 trials, interrupted training runs).
+
+Run as a script: ``python state_workers.py MODE ...``. Also imported by the tests
+(and by bench/state/kill9_soak.py) for the reference computations, so the
+reference and the workers run the very same code.
+
+Modes:
+  train RUN_DIR LOSSES_PATH VARIANT TOTAL_STEPS   train with checkpoints; resume if any
+  zygote                                          fork kill-9 writers on request (stdin)
+  verify-trials JSON_LIST                         fresh process: restore each trial dir, compare
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# ----- interrupted training runs ------------------------------------------------------------
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "adamw-onecycle-sync": {"optimizer": "adamw", "scheduler": "onecycle", "async_save": False, "preempt": False},
+    "sgd-step-async": {"optimizer": "sgd", "scheduler": "step", "async_save": True, "preempt": False},
+    "adamw-step-preempt": {"optimizer": "adamw", "scheduler": "step", "async_save": True, "preempt": True},
+}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_training(variant: str, total_steps: int):
+    """Tiny MLP with dropout, optimizer, LR scheduler, shuffling StatefulDataLoader."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    spec = VARIANTS[variant]
+    seed_everything(1234)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 3)
+    )
+    if spec["optimizer"] == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    if spec["scheduler"] == "onecycle":
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=total_steps)
+    else:
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.7)
+    generator = torch.Generator().manual_seed(99)
+    inputs = torch.randn(60, 12, generator=generator)
+    targets = torch.randint(0, 3, (60,), generator=generator)
+    dataset = torch.utils.data.TensorDataset(inputs, targets)
+    loader = StatefulDataLoader(dataset, batch_size=8, shuffle=True)  # 8 batches/epoch, last one short
+    return model, optimizer, scheduler, loader
+
+
+def train_step(model, optimizer, scheduler, batch) -> torch.Tensor:
+    inputs, targets = batch
+    # Draw from every RNG stream, so a wrong restore of any of them changes the losses.
+    noise = torch.from_numpy(np.random.standard_normal(inputs.shape).astype(np.float32))
+    inputs = inputs + 0.01 * noise * random.random()
+    loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    return loss.detach()
+
+
+def run_training(run_dir: str, losses_path: str, variant: str, total_steps: int) -> None:
+    from torchckpt.state import Checkpointer
+
+    spec = VARIANTS[variant]
+    model, optimizer, scheduler, loader = build_training(variant, total_steps)
+    train_state = {"epoch": 0}
+    options = {"keep_last": 2, "async_save": spec["async_save"]}
+    options.update({"save_on_preemption": True} if spec["preempt"] else {"save_every_steps": 1})
+    ckpt = Checkpointer(run_dir, **options)
+    items = dict(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, train_state=train_state)
+    step = ckpt.restore(**items) or 0
+    log = open(losses_path, "a", buffering=1)
+    log.write(f"restored {step}\n")
+    model.train()
+    while step < total_steps:
+        for batch in loader:
+            step += 1
+            loss = train_step(model, optimizer, scheduler, batch)
+            log.write(f"{step} {loss.item().hex()}\n")
+            ckpt.maybe_save(step, metrics={"loss": loss}, **items)
+            if step >= total_steps:
+                break
+        else:
+            train_state["epoch"] += 1
+    ckpt.close()
+    log.write("finished\n")
+
+
+# ----- kill -9 trials -----------------------------------------------------------------------
+
+KILL_HIDDEN = 768
+
+
+def build_big(seed: int = 7):
+    seed_everything(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(128, KILL_HIDDEN), torch.nn.GELU(), torch.nn.Linear(KILL_HIDDEN, KILL_HIDDEN),
+        torch.nn.GELU(), torch.nn.Linear(KILL_HIDDEN, 16),
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, optimizer
+
+
+def big_step(model, optimizer) -> None:
+    inputs = torch.randn(16, 128)
+    loss = model(inputs).square().mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+def kill_writer(run_dir: str) -> None:
+    """Train and save every step until killed (runs in a forked child)."""
+    from torchckpt.state import Checkpointer
+
+    model, optimizer = build_big()
+    ckpt = Checkpointer(run_dir, keep_last=2)
+    for step in range(1, 10_000):
+        big_step(model, optimizer)
+        ckpt.save(step, model=model, optimizer=optimizer, metrics={"step": step})
+
+
+def reference_state(step: int) -> tuple[dict, dict, torch.Tensor]:
+    """Model/optimizer state_dicts and torch RNG state after ``step`` training steps."""
+    model, optimizer = build_big()
+    for _ in range(step):
+        big_step(model, optimizer)
+    return model.state_dict(), optimizer.state_dict(), torch.get_rng_state()
+
+
+def bitwise_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(bitwise_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def zygote() -> None:
+    """Read run dirs on stdin; fork a writer for each; print its pid; report when it dies."""
+    torch.set_num_threads(1)
+    import torchckpt.state  # noqa: F401  (imported once, shared by every fork)
+
+    print("zygote-ready", flush=True)
+    for line in sys.stdin:
+        run_dir = line.strip()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                kill_writer(run_dir)
+            finally:
+                os._exit(3)
+        print(f"pid {pid}", flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(f"dead {pid} {status}", flush=True)
+
+
+def verify_trials(run_dirs: list[str]) -> list[dict[str, Any]]:
+    """For each trial directory: every committed step is valid; restore gets the newest, bit-exact."""
+    from torchckpt.state import Checkpointer, verify_checkpoint
+
+    reports = []
+    for run_dir in run_dirs:
+        leftovers = sorted(n for n in os.listdir(run_dir) if n.startswith(".tmp-")) if os.path.isdir(run_dir) else []
+        infos = verify_checkpoint(run_dir, verify="full")
+        model, optimizer = build_big(seed=0)  # different init: restore must overwrite it
+        with Checkpointer(run_dir) as ckpt:
+            restored = ckpt.restore(model=model, optimizer=optimizer, rng=False)
+            cleaned = not any(n.startswith(".tmp-") for n in os.listdir(run_dir))
+        report = {
+            "run_dir": run_dir,
+            "leftover_tmp": len(leftovers),
+            "steps": [info.step for info in infos],
+            "invalid": [info.problem for info in infos if not info.valid],
+            "restored": restored,
+            "cleaned": cleaned,
+            "equal": None,
+        }
+        if restored is not None:
+            ref_model, ref_opt, _ = reference_state(restored)
+            report["equal"] = bitwise_equal(model.state_dict(), ref_model) and bitwise_equal(
+                optimizer.state_dict(), ref_opt
+            )
+        reports.append(report)
+    return reports
+
+
+def main(argv: list[str]) -> None:
+    torch.set_num_threads(1)
+    mode = argv[0]
+    if mode == "train":
+        run_training(argv[1], argv[2], argv[3], int(argv[4]))
+    elif mode == "zygote":
+        zygote()
+    elif mode == "verify-trials":
+        print(json.dumps(verify_trials(json.loads(argv[1]))))
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

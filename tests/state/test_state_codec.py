@@ -1,0 +1,102 @@
+"""The pickle-free codec round-trips state exactly and refuses what it cannot store."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from state_workers import bitwise_equal
+
+from torchckpt.state.codec import (
+    decode_json,
+    decode_safetensors,
+    encode_json,
+    encode_safetensors,
+    join_tensors,
+    split_tensors,
+)
+from torchckpt.state.errors import CheckpointCorruptError, UnsafeFileError, UnsupportedStateError
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.uint8, torch.bool]
+
+
+def _round_trip(tree):
+    encoded, tensors = split_tensors(tree, "item")
+    data = encode_safetensors(tensors)
+    text = encode_json(encoded)
+    return join_tensors(decode_json(text, "x.json"), decode_safetensors(data, "x.safetensors"), "x.json")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tensors_round_trip_bitwise(dtype):
+    source = (torch.randn(3, 5) * 100).to(dtype)
+    tree = {"t": source, "scalar": source[0, 0].clone(), "empty": source[:0], "strided": source.t()}
+    back = _round_trip(tree)
+    assert bitwise_equal(back["t"], source)
+    assert bitwise_equal(back["strided"], source.t().contiguous())
+    assert back["empty"].shape == (0, 5) and back["scalar"].shape == ()
+
+
+def test_python_values_round_trip_with_types():
+    tree = {
+        "floats": [0.1, -0.0, 1e-310, float("inf"), 2.0**70],
+        "big_int": 2**80,
+        "tuple": (0.9, 0.999),
+        "int_keys": {0: {"step": 3}, 7: None},
+        "nested": [{"a": (1, [2, (3,)])}],
+        "np_array": np.arange(5, dtype=np.uint32),
+        "np_scalar": np.float32(1.5),
+        "dtype": torch.bfloat16,
+        "size": torch.Size([2, 3]),
+        "__torchckpt__": "a user key that looks like ours",
+    }
+    back = _round_trip(tree)
+    assert back["floats"][:4] == tree["floats"][:4] and str(back["floats"][1]) == "-0.0"
+    assert back["big_int"] == 2**80 and back["tuple"] == (0.9, 0.999) and type(back["tuple"]) is tuple
+    assert back["int_keys"] == {0: {"step": 3}, 7: None}
+    assert back["nested"] == [{"a": (1, [2, (3,)])}]
+    assert back["np_array"].dtype == np.uint32 and (back["np_array"] == tree["np_array"]).all()
+    assert type(back["np_scalar"]) is np.float32 and back["np_scalar"] == np.float32(1.5)
+    assert back["dtype"] is torch.bfloat16 and back["size"] == torch.Size([2, 3])
+    assert back["__torchckpt__"] == tree["__torchckpt__"]
+
+
+def test_tied_tensors_are_stored_separately_and_keys_follow_paths():
+    weight = torch.randn(4, 4)
+    encoded, tensors = split_tensors({"enc.weight": weight, "dec.weight": weight}, "model")
+    assert sorted(tensors) == ["dec.weight", "enc.weight"]
+    assert bitwise_equal(decode_safetensors(encode_safetensors(tensors), "m")["dec.weight"], weight)
+
+
+def test_unsupported_value_names_its_path():
+    with pytest.raises(UnsupportedStateError, match=r"item 'item': value at state\.0\.fn has type function"):
+        split_tensors({"state": {0: {"fn": lambda: None}}}, "item")
+
+
+def test_pickle_bytes_are_refused_before_parsing():
+    payload = pickle.dumps({"a": 1})
+    with pytest.raises(UnsafeFileError, match="x.safetensors: expected a torchckpt file, found a Python pickle"):
+        decode_safetensors(payload, "x.safetensors")
+    with pytest.raises(UnsafeFileError, match="found a Python pickle"):
+        decode_json(payload, "x.json")
+
+
+def test_safetensors_whose_header_length_looks_like_pickle_magic_still_loads():
+    # Header length 0x280 starts with bytes 80 02, which is also pickle protocol 2's magic.
+    for length in range(1, 2000):
+        tensors = {"k" * length: torch.ones(1)}
+        data = encode_safetensors(tensors)
+        if data[:2] == b"\x80\x02":
+            assert bitwise_equal(decode_safetensors(data, "m")["k" * length], torch.ones(1))
+            return
+    pytest.fail("no header length with the pickle-like prefix was produced")
+
+
+def test_garbage_safetensors_is_corrupt_not_a_crash():
+    with pytest.raises(CheckpointCorruptError, match="m.safetensors: not a safetensors file"):
+        decode_safetensors(b"\x00" * 20, "m.safetensors")
+    data = encode_safetensors({"w": torch.ones(100)})
+    with pytest.raises(CheckpointCorruptError, match="m.safetensors: safetensors could not decode it"):
+        decode_safetensors(data[:-10], "m.safetensors")
