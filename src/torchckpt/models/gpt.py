@@ -2,7 +2,8 @@
 
 ``gpt("small")`` is nanoGPT's character-level configuration: 12 layers, width 384, 6 heads, byte
 vocabulary (256). Blocks live in ``model.blocks`` (an ``nn.ModuleList``); the token embedding and the
-output head share their weight, as in GPT-2.
+output head share their weight, as in GPT-2. Inside a block, the attention output is tagged
+``"attention"`` and the MLP's hidden pre-activation ``"mlp_hidden"`` for the name-based policies.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torchckpt.remat.policies import tag
 
 __all__ = ["GPTConfig", "GPT", "gpt", "GPT_SIZES"]
 
@@ -61,7 +64,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(width, dim=2)
         shape = (batch, seq, self.n_head, width // self.n_head)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = tag(F.scaled_dot_product_attention(q, k, v, is_causal=True), "attention")
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
 
 
@@ -74,7 +77,7 @@ class MLP(nn.Module):
         self.proj = nn.Linear(4 * config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        return self.proj(F.gelu(tag(self.fc(x), "mlp_hidden")))
 
 
 class Block(nn.Module):

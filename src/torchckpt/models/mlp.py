@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchckpt.remat.policies import tag
+
 __all__ = ["MLP", "mlp"]
 
 
@@ -18,7 +20,7 @@ class MLPBlock(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(F.gelu(self.linear(x)))
+        return self.drop(F.gelu(tag(self.linear(x), "linear")))
 
 
 class MLP(nn.Module):

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchckpt.remat.policies import tag
+
 __all__ = ["UNetConfig", "UNet", "unet", "UNET_SIZES"]
 
 
@@ -58,7 +60,7 @@ class ResBlock(nn.Module):
         self.shortcut = nn.Conv2d(in_channels, out_channels, 1) if in_channels != out_channels else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv_1(F.silu(self.norm_1(x)))
+        h = tag(self.conv_1(F.silu(self.norm_1(x))), "conv_1")
         h = self.conv_2(self.drop(F.silu(self.norm_2(h))))
         return self.shortcut(x) + h
 

@@ -290,7 +290,7 @@ class _LoopRunner:
         for path, leaf, version in zip(self.layout.paths, snapshot.leaves, snapshot.versions):
             if leaf._version != version:
                 raise RuntimeError(
-                    f"{path} of the carry after step {index} was modified in place after it was stored "
+                    f"{path} (the carry after step {index}) was modified in place after it was stored "
                     f"(version {version} -> {leaf._version}). step_fn must not modify its input carry in "
                     f"place: write h = h + x, not h += x."
                 )

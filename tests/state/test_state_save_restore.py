@@ -1,0 +1,140 @@
+"""Save then restore gives bitwise-equal state, in the documented layout, without pickle."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model, trained
+from state_workers import bitwise_equal
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from torchckpt.state import (
+    CheckpointExistsError,
+    Checkpointer,
+    CheckpointMismatchError,
+    UnsupportedStateError,
+)
+
+
+def _setup(seed: int, tensor_lr: bool = True):
+    model = tiny_model(seed)
+    lr = torch.tensor(0.01) if tensor_lr else 0.01  # a tensor lr puts tensors into the scheduler too
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.8, 0.9))
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=50)
+    loader = StatefulDataLoader(list(range(40)), batch_size=4, shuffle=True)
+    return model, optimizer, scheduler, loader
+
+
+def test_restore_returns_none_when_empty(run_dir):
+    with Checkpointer(run_dir) as ckpt:
+        assert ckpt.restore(model=tiny_model()) is None
+
+
+def test_full_state_round_trips_bitwise(run_dir):
+    model, optimizer, scheduler, loader = _setup(0)
+    trained(model, optimizer)
+    scheduler.step()
+    batches = iter(loader)
+    next(batches), next(batches)
+    extras = {"epoch": 3, "best": 0.25, "history": [1.0, 2.0]}
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(7, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, extras=extras)
+    expected_rng = (random.random(), np.random.rand(), torch.rand(3))
+    expected_batches = [b.tolist() for b in batches]
+
+    model2, optimizer2, scheduler2, loader2 = _setup(1)
+    extras2: dict = {}
+    with Checkpointer(run_dir) as ckpt:
+        step = ckpt.restore(model=model2, optimizer=optimizer2, scheduler=scheduler2, loader=loader2, extras=extras2)
+    assert step == 7
+    assert bitwise_equal(model2.state_dict(), model.state_dict())
+    assert bitwise_equal(optimizer2.state_dict(), optimizer.state_dict())
+    assert scheduler2.state_dict() == scheduler.state_dict() and extras2 == extras
+    assert (random.random(), np.random.rand()) == expected_rng[:2] and torch.equal(torch.rand(3), expected_rng[2])
+    assert [b.tolist() for b in loader2] == expected_batches
+
+
+def test_layout_matches_design(run_dir):
+    model, optimizer, scheduler, _ = _setup(0, tensor_lr=False)
+    trained(model, optimizer)
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(1200, model=model, optimizer=optimizer, scheduler=scheduler, metrics={"loss": 0.5})
+    step_dir = os.path.join(run_dir, "step-000001200")
+    assert sorted(os.listdir(step_dir)) == [
+        "manifest.json", "model.safetensors", "optimizer.json", "optimizer.safetensors", "state.json"
+    ]
+    manifest = json.load(open(os.path.join(step_dir, "manifest.json")))
+    assert manifest["step"] == 1200 and manifest["metrics"] == {"loss": 0.5}
+    for name, entry in manifest["files"].items():
+        assert entry["size_bytes"] == os.path.getsize(os.path.join(step_dir, name))
+    optimizer_json = json.load(open(os.path.join(step_dir, "optimizer.json")))
+    betas = list(optimizer.state_dict()["param_groups"][0]["betas"])
+    assert optimizer_json["param_groups"][0]["betas"] == {"__torchckpt__": "tuple", "items": betas}
+    for name in os.listdir(step_dir):  # no pickle anywhere: no file starts with pickle/zip magic
+        head = open(os.path.join(step_dir, name), "rb").read(4)
+        assert not (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05") and name.endswith(".json"))
+        assert head != b"PK\x03\x04"
+
+
+def test_saving_a_committed_step_again_is_refused(run_dir):
+    model = tiny_model()
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(3, model=model)
+        with pytest.raises(CheckpointExistsError, match="step-000000003 already holds a valid checkpoint"):
+            ckpt.save(3, model=model)
+
+
+def test_restore_names_missing_items_and_shape_mismatch(run_dir):
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(1, model=tiny_model())
+        with pytest.raises(CheckpointMismatchError, match=r"no item\(s\) \['optimizer'\]; the checkpoint holds \['model'\]"):
+            ckpt.restore(model=tiny_model(), optimizer=torch.optim.SGD(tiny_model().parameters(), lr=1))
+        with pytest.raises(CheckpointMismatchError, match="item 'model' .* rejected the saved state"):
+            ckpt.restore(model=torch.nn.Linear(3, 3))
+
+
+def test_objects_without_state_dict_are_rejected_with_a_hint(run_dir):
+    plain_loader = torch.utils.data.DataLoader(list(range(4)))
+    with Checkpointer(run_dir) as ckpt:
+        with pytest.raises(TypeError, match="StatefulDataLoader"):
+            ckpt.save(1, loader=plain_loader)
+        with pytest.raises(UnsupportedStateError, match="item 'extras': value at fn"):
+            ckpt.save(1, extras={"fn": print})
+        with pytest.raises(ValueError, match="item name 'state' is reserved"):
+            ckpt.save(1, state={})
+    assert not [n for n in os.listdir(run_dir) if n.startswith("step-")]
+
+
+def test_partial_restore_of_model_only(run_dir):
+    model, optimizer, scheduler, _ = _setup(0)
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(5, model=model, optimizer=optimizer, scheduler=scheduler)
+    fresh = tiny_model(9)
+    with Checkpointer(run_dir) as ckpt:
+        assert ckpt.restore(model=fresh, rng=False) == 5
+    assert bitwise_equal(fresh.state_dict(), model.state_dict())
+
+
+def test_gpu_state_round_trips_when_cuda_present(run_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = tiny_model().cuda()
+    optimizer = torch.optim.AdamW(model.parameters())
+    trained_inputs = torch.randn(5, 4, device="cuda")
+    model(trained_inputs).sum().backward()
+    optimizer.step()
+    cuda_rng = torch.cuda.get_rng_state_all()
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(1, model=model, optimizer=optimizer)
+    torch.cuda.manual_seed_all(123)
+    fresh = tiny_model(5).cuda()
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.restore(model=fresh, optimizer=fresh_opt)
+    assert bitwise_equal({k: v.cpu() for k, v in fresh.state_dict().items()}, {k: v.cpu() for k, v in model.state_dict().items()})
+    assert all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), cuda_rng))
