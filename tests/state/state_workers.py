@@ -208,6 +208,55 @@ def verify_trials(run_dirs: list[str]) -> list[dict[str, Any]]:
     return reports
 
 
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    return env
+
+
+def run_kill_trials(base_dir: str, trials: int, seed: int, max_delay_s: float = 0.5) -> list[dict[str, Any]]:
+    """Kill -9 ``trials`` writers at random moments, then verify every run dir in a fresh process.
+
+    Writers are forked from one zygote process that imported torch once, so a trial
+    costs its random delay, not an interpreter start-up. Each writer is a real
+    process, killed with SIGKILL by this one.
+    """
+    import signal
+    import subprocess
+    import time
+
+    rng = random.Random(seed)
+    zygote_proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "zygote"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_worker_env(),
+    )
+    run_dirs, statuses = [], []
+    try:
+        assert zygote_proc.stdout.readline().strip() == "zygote-ready"
+        for trial in range(trials):
+            run_dir = os.path.join(base_dir, f"trial-{trial:04d}")
+            run_dirs.append(run_dir)
+            zygote_proc.stdin.write(run_dir + "\n")
+            zygote_proc.stdin.flush()
+            pid = int(zygote_proc.stdout.readline().split()[1])
+            time.sleep(rng.uniform(0.02, max_delay_s))
+            os.kill(pid, signal.SIGKILL)
+            statuses.append(int(zygote_proc.stdout.readline().split()[2]))
+    finally:
+        zygote_proc.stdin.close()
+        zygote_proc.wait(timeout=30)
+    verifier = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "verify-trials", json.dumps(run_dirs)],
+        capture_output=True, text=True, env=_worker_env(), timeout=600,
+    )
+    if verifier.returncode != 0:
+        raise RuntimeError(f"verifier failed:\n{verifier.stderr[-4000:]}")
+    reports = json.loads(verifier.stdout.strip().splitlines()[-1])
+    for report, status in zip(reports, statuses):
+        report["killed_by_sigkill"] = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    return reports
+
+
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     mode = argv[0]

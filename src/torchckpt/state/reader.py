@@ -65,8 +65,8 @@ def read_newest_valid(
             skipped.append(f"step {candidate}: {error}")
             if fallback and step is None:
                 continue
-            raise CheckpointCorruptError(
-                f"step {candidate} is corrupt, nothing was restored: {error}. "
+            raise type(error)(  # keeps UnsafeFileError recognisable
+                f"step {candidate} is corrupt, nothing was restored: {str(error).rstrip('.')}. "
                 + ("Fix: restore(fallback=True) to use the newest valid older step." if step is None else ""),
                 error.problems,
             ) from None
