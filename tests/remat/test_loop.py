@@ -224,9 +224,9 @@ def measure(steps: int, checkpoints: int | None) -> tuple[int, int, int]:
     return forward, total, h0.numel() * h0.element_size()
 
 
-@pytest.mark.parametrize("checkpoints", [1, 4, 9])
-def test_memory_is_checkpoints_plus_constant_carries(checkpoints: int) -> None:
-    forward, total, carry = measure(96, checkpoints)
+@pytest.mark.parametrize("checkpoints,steps", [(1, 24), (4, 96), (9, 96)])
+def test_memory_is_checkpoints_plus_constant_carries(checkpoints: int, steps: int) -> None:
+    forward, total, carry = measure(steps, checkpoints)
     # Forward: the stored carries (x_0 is the caller's, already in the baseline) plus, at the newest
     # step, its input, its linear output and its tanh output: (checkpoints - 1) + 3 carries exactly.
     assert forward == (checkpoints + 2) * carry
@@ -234,7 +234,7 @@ def test_memory_is_checkpoints_plus_constant_carries(checkpoints: int) -> None:
     # the weight, one step's transients). It does not grow with the number of steps.
     _, plain_two_step_total, _ = measure(2, None)
     assert total <= forward + plain_two_step_total
-    assert (forward, total) == measure(384, checkpoints)[:2]
+    assert (forward, total) == measure(3 * steps, checkpoints)[:2]
 
 
 def test_memory_far_below_plain_loop() -> None:

@@ -161,9 +161,18 @@ def bitwise_equal(a: Any, b: Any) -> bool:
 
 def zygote() -> None:
     """Read run dirs on stdin; fork a writer for each; print its pid; report when it dies."""
-    torch.set_num_threads(1)
-    import torchckpt.state  # noqa: F401  (imported once, shared by every fork)
+    import shutil
+    import tempfile
 
+    from torchckpt.state import Checkpointer
+
+    torch.set_num_threads(1)
+    warm_dir = tempfile.mkdtemp(prefix="torchckpt-zygote-")
+    model, optimizer = build_big()  # warm up: lazy imports of the first optimizer step and save
+    big_step(model, optimizer)
+    with Checkpointer(warm_dir) as ckpt:
+        ckpt.save(1, model=model, optimizer=optimizer)
+    shutil.rmtree(warm_dir)
     print("zygote-ready", flush=True)
     for line in sys.stdin:
         run_dir = line.strip()
