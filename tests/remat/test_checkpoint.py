@@ -91,6 +91,30 @@ def test_nested_checkpoints_and_autograd_grad() -> None:
     _assert_bitwise(list(result), list(expected))
 
 
+@pytest.mark.parametrize("inner_policy", ["plain", "nothing_saveable", "dots_saveable", "everything_saveable"])
+def test_nested_region_holds_only_its_input(inner_policy: str) -> None:
+    """Rule 6: whatever the inner checkpoints keep, the enclosing region holds only its own input."""
+    torch.manual_seed(0)
+    blocks = [_block(width=64, dropout=0.1) for _ in range(3)]
+    x = torch.randn(256, 64, requires_grad=True)
+
+    def region(h: torch.Tensor) -> torch.Tensor:
+        for block in blocks:
+            h = block(h) if inner_policy == "plain" else checkpoint(block, h, policy=inner_policy)
+        return h
+
+    torch.manual_seed(1)
+    region(x).sum().backward()
+    expected = [g for b in blocks for g in _grads(b)] + [x.grad.clone()]
+    x.grad = None
+    torch.manual_seed(1)
+    with MemoryMeter(include_existing=False) as meter:
+        out = checkpoint(region, x)
+        assert meter.current_bytes == out.untyped_storage().nbytes()  # nothing but the output is new
+        out.sum().backward()
+    _assert_bitwise([g for b in blocks for g in _grads(b)] + [x.grad.clone()], expected)
+
+
 def test_checkpoint_holds_only_its_inputs_until_backward() -> None:
     block, x = _block(width=64), torch.randn(128, 64, requires_grad=True)
     with MemoryMeter(include_existing=False) as meter:

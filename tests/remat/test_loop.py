@@ -323,3 +323,51 @@ def test_nondeterministic_step_fn_is_reported() -> None:
     out = checkpointed_loop(step, torch.ones(3), steps=6, checkpoints=2)
     with pytest.raises(RuntimeError, match=r"recomputing step \d+ saved \d+ tensors for backward, but the forward"):
         out.sum().backward()
+
+
+def test_autocast_is_reapplied_when_recomputing() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    h0 = torch.randn(4, 8)
+
+    def step(h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(lin(h)).float()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = h0
+        for _ in range(10):
+            plain = step(plain)
+        want = torch.autograd.grad(plain.sum(), [lin.weight])[0]
+        out = checkpointed_loop(step, h0, steps=10, checkpoints=2)
+    got = torch.autograd.grad(out.sum(), [lin.weight])[0]  # backward outside autocast, as usual
+    assert torch.equal(got, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_dropout_gradients_match_plain_loop() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16).cuda()
+    drop = nn.Dropout(0.3)
+    h0 = torch.randn(4, 16, device="cuda", requires_grad=True)
+
+    def step(h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(lin(drop(h)))
+
+    torch.cuda.manual_seed(7)
+    plain = h0
+    for _ in range(30):
+        plain = step(plain)
+    want = torch.autograd.grad(plain.sum(), [h0, lin.weight])
+    torch.cuda.manual_seed(7)
+    out = checkpointed_loop(step, h0, steps=30, checkpoints=4)
+    got = torch.autograd.grad(out.sum(), [h0, lin.weight])
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_double_backward_is_rejected() -> None:
+    w = torch.tensor(0.5, requires_grad=True)
+    out = checkpointed_loop(lambda h: torch.tanh(h * w), torch.ones(3), steps=5, checkpoints=2)
+    with pytest.raises(RuntimeError, match=r"create_graph=True; higher-order gradients are not supported"):
+        torch.autograd.grad(out.sum(), [w], create_graph=True)

@@ -84,9 +84,9 @@ def run_training(run_dir: str, losses_path: str, variant: str, total_steps: int)
     train_state = {"epoch": 0}
     options = {"keep_last": 2, "async_save": spec["async_save"]}
     options.update({"save_on_preemption": True} if spec["preempt"] else {"save_every_steps": 1})
-    ckpt = Checkpointer(run_dir, **options)
     items = dict(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, train_state=train_state)
-    step = ckpt.restore(**items) or 0
+    ckpt = Checkpointer(run_dir, **options) if run_dir != "-" else None  # "-": the uninterrupted reference
+    step = (ckpt.restore(**items) or 0) if ckpt is not None else 0
     log = open(losses_path, "a", buffering=1)
     log.write(f"restored {step}\n")
     model.train()
@@ -95,12 +95,14 @@ def run_training(run_dir: str, losses_path: str, variant: str, total_steps: int)
             step += 1
             loss = train_step(model, optimizer, scheduler, batch)
             log.write(f"{step} {loss.item().hex()}\n")
-            ckpt.maybe_save(step, metrics={"loss": loss}, **items)
+            if ckpt is not None:
+                ckpt.maybe_save(step, metrics={"loss": loss}, **items)
             if step >= total_steps:
                 break
         else:
             train_state["epoch"] += 1
-    ckpt.close()
+    if ckpt is not None:
+        ckpt.close()
     log.write("finished\n")
 
 

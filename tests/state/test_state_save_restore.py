@@ -46,6 +46,7 @@ def test_full_state_round_trips_bitwise(run_dir):
         ckpt.save(7, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, extras=extras)
     expected_rng = (random.random(), np.random.rand(), torch.rand(3))
     expected_batches = [b.tolist() for b in batches]
+    expected_after_loop = torch.rand(3)  # the loader's iterator already existed here
 
     model2, optimizer2, scheduler2, loader2 = _setup(1)
     extras2: dict = {}
@@ -57,6 +58,8 @@ def test_full_state_round_trips_bitwise(run_dir):
     assert scheduler2.state_dict() == scheduler.state_dict() and extras2 == extras
     assert (random.random(), np.random.rand()) == expected_rng[:2] and torch.equal(torch.rand(3), expected_rng[2])
     assert [b.tolist() for b in loader2] == expected_batches
+    # Creating the resumed iterator must not shift torch's RNG stream (capture.py rule 4).
+    assert torch.equal(torch.rand(3), expected_after_loop)
 
 
 def test_layout_matches_design(run_dir):

@@ -19,6 +19,12 @@ Design rules (numbered so code and tests can point at them):
    recomputation but not during the forward pass.
 5. The policy rules of ``policies.py`` (views and in-place ops are never kept; kept values modified in
    place later are dropped and recomputed).
+6. A checkpoint nested inside another checkpointed region keeps nothing (its policy acts as
+   ``nothing_saveable``). Its cache would be a plain Python reference that the enclosing region's
+   saved-tensor hooks cannot see, so it would stay alive through the whole forward pass and defeat
+   the enclosing checkpoint; the enclosing region recomputes the inner one anyway. Inputs of the
+   inner region are saved through autograd by PyTorch, so the enclosing region holds only its own
+   inputs, as nesting promises.
 """
 
 from __future__ import annotations
@@ -34,7 +40,16 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from torchckpt.remat.policies import TAG_STATE, OpInfo, Policy, PolicyLike, _op_name, everything_saveable, resolve_policy
+from torchckpt.remat.policies import (
+    TAG_STATE,
+    OpInfo,
+    Policy,
+    PolicyLike,
+    _op_name,
+    everything_saveable,
+    nothing_saveable,
+    resolve_policy,
+)
 
 __all__ = ["checkpoint", "checkpoint_sequential", "CheckpointError", "RecomputationMismatchError"]
 
@@ -241,6 +256,8 @@ def checkpoint(
     resolved = resolve_policy(policy)
     if resolved is everything_saveable or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if TAG_STATE.active_regions:  # rule 6
+        resolved = nothing_saveable
     region = _Region(policy=resolved, fn_name=_function_name(fn))
     return _run_region(region, fn, args, kwargs, preserve_rng_state)
 

@@ -20,7 +20,8 @@ How it works (the rules the code keeps):
    recomputed tensors in the order they were saved.
 4. A checkpoint stores the carry (aliases, no copy) and the RNG state before the next step (CPU, plus
    CUDA for the carry's CUDA devices), so recomputed dropout masks equal the forward's. The caller's
-   RNG state is put back after each recomputation.
+   RNG state is put back after each recomputation. Recomputation runs under the autocast settings
+   that were active when the loop was called.
 5. Each recomputed step must save the same number of tensors with the same shapes as in the forward
    pass, and stored carries must not be modified in place; both are checked and raise otherwise.
 6. No global state: counts and the actions run are written to a ``LoopStats`` the caller passes in.
@@ -28,6 +29,7 @@ How it works (the rules the code keeps):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -216,6 +218,24 @@ class _RngState:
 
 
 @dataclasses.dataclass(frozen=True)
+class _AutocastState:
+    """Autocast settings of the forward pass, re-entered for every recomputation (rule 4)."""
+
+    enabled: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) of each enabled autocast
+
+    @staticmethod
+    def capture() -> _AutocastState:
+        device_types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        return _AutocastState(
+            tuple((d, torch.get_autocast_dtype(d)) for d in device_types if torch.is_autocast_enabled(d))
+        )
+
+    def enter(self, stack: contextlib.ExitStack) -> None:
+        for device_type, dtype in self.enabled:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+
+
+@dataclasses.dataclass(frozen=True)
 class _Snapshot:
     """A stored carry x_i: detached aliases, their version counters, and the RNG state before step i+1."""
 
@@ -261,6 +281,7 @@ class _LoopRunner:
         self.saved_counts: list[int] = []  # tensors saved by step i+1 in the forward pass
         self.newest_slots: list[_SavedSlot] = []
         self.recomputed: tuple[int, list[torch.Tensor | None]] | None = None
+        self.autocast = _AutocastState.capture()
 
     # ----------------------------------------------------------------- actions
     def execute(self, actions: list[Action], forward: bool) -> None:
@@ -320,6 +341,12 @@ class _LoopRunner:
     def _unpack(self, slot: _SavedSlot) -> torch.Tensor:
         if slot.tensor is not None:
             return slot.tensor
+        if torch.is_grad_enabled():  # autograd runs backward with grad mode on only for create_graph=True
+            raise RuntimeError(
+                f"backward through step {slot.step} of a checkpointed loop was called with create_graph=True; "
+                f"higher-order gradients are not supported, because recomputed tensors are detached from the "
+                f"graph. Use a plain loop (or torch.utils.checkpoint) where you need double backward."
+            )
         if self.recomputed is None or self.recomputed[0] != slot.step or self.recomputed[1][slot.index] is None:
             self._serve(slot.step)
         assert self.recomputed is not None
@@ -338,7 +365,9 @@ class _LoopRunner:
         self.recomputed = None
         caller_rng = _RngState.capture(self.layout.cuda_devices) if self.preserve_rng_state else None
         try:
-            self.execute(self.planner.request(step), forward=False)
+            with contextlib.ExitStack() as stack:
+                self.autocast.enter(stack)
+                self.execute(self.planner.request(step), forward=False)
         finally:
             if caller_rng is not None:
                 caller_rng.apply()
@@ -466,11 +495,12 @@ def checkpointed_while(
     Example:
         >>> import torch
         >>> w = torch.tensor(0.5, requires_grad=True)
-        >>> x = checkpointed_while(lambda x: x.abs().sum() > 1e-3, lambda x: x * w, torch.ones(3),
-        ...                        max_steps=1000, checkpoints=4)
-        >>> x.sum().backward()
-        >>> bool(w.grad < 0)
-        False
+        >>> stats = LoopStats()
+        >>> x = checkpointed_while(lambda x: x.sum() > 1e-3, lambda x: x * w, torch.ones(3),
+        ...                        max_steps=1000, checkpoints=4, stats=stats)
+        >>> x.sum().backward()              # x = 3 * w**n, so dx/dw = 3 * n * w**(n-1)
+        >>> stats.steps, float(w.grad) == 3 * 12 * 0.5**11
+        (12, True)
     """
     _check_count("max_steps", max_steps)
     layout, leaves, count, stats = _prepare(carry, checkpoints, budget_bytes, stats)

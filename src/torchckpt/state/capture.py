@@ -12,6 +12,13 @@ Rules kept here:
    error that says how to make it checkpointable, never a silent skip.
 3. Restoring applies state only after every item decoded, so a corrupt file
    never leaves objects half restored.
+4. (inv. 4) RNG streams are restored last, after every item. Every DataLoader
+   iterator draws a base seed from torch's global RNG when it is created; the
+   interrupted run drew it at the start of the epoch, before the save. So a
+   restored torchdata ``StatefulDataLoader`` gets its resumed iterator created
+   during restore, before the RNG streams are set (the loader hands that same
+   iterator to the next ``for`` loop); otherwise the resumed run would draw
+   once more and every later dropout mask would differ.
 """
 
 from __future__ import annotations
@@ -110,6 +117,13 @@ def apply_item(name: str, obj: object, kind: str, state: Any, source: str) -> No
             "Fix: build the object exactly as in the run that saved it (same model, same "
             "parameter groups)."
         ) from error
+    _prime_stateful_loader(obj)
+
+
+def _prime_stateful_loader(obj: object) -> None:
+    """Create a restored StatefulDataLoader's iterator now, before RNG streams are restored (rule 4)."""
+    if type(obj).__module__.startswith("torchdata.stateful_dataloader"):
+        obj.state_dict()  # type: ignore[attr-defined]  # builds the iterator the next `for` reuses
 
 
 def _bytes_of(state: torch.Tensor) -> str:

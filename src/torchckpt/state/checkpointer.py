@@ -31,7 +31,6 @@ from typing import Any
 
 from torchckpt.state.capture import apply_item, capture_item, capture_rng, check_item_name, restore_rng
 from torchckpt.state.catalog import VERIFY_MODES, CheckpointInfo, inspect_step
-from torchckpt.state.reader import read_newest_valid
 from torchckpt.state.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -47,6 +46,7 @@ from torchckpt.state.format import (
     step_dir_name,
 )
 from torchckpt.state.preemption import PreemptionHandler, parse_signals
+from torchckpt.state.reader import read_newest_valid
 from torchckpt.state.retention import RetentionPolicy, steps_to_keep
 from torchckpt.state.snapshot import Snapshot, encode_snapshot
 from torchckpt.state.storage import Storage, open_storage
@@ -114,16 +114,19 @@ class Checkpointer:
             raise TypeError(f"pass either config= or keyword options, not both (got {sorted(options)})")
         self.config = config if config is not None else CheckpointerConfig(**options)
         self._storage: Storage = open_storage(directory)
-        self._storage.acquire_lock()  # rule 6
-        self._storage.clean_leftovers()
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[None] | None = None
         self._last_step: int | None = None
-        self._last_save_monotonic_s = time.monotonic()
         self._closed = False
-        self._preemption = (
-            PreemptionHandler(parse_signals(self.config.preemption_signals)) if self.config.save_on_preemption else None
-        )
+        self._storage.acquire_lock()  # rule 6
+        try:
+            self._storage.clean_leftovers()
+            signals = parse_signals(self.config.preemption_signals)
+            self._preemption = PreemptionHandler(signals) if self.config.save_on_preemption else None
+        except BaseException:
+            self._storage.release_lock()
+            raise
+        self._last_save_monotonic_s = time.monotonic()
 
     @property
     def directory(self) -> str:
@@ -158,7 +161,7 @@ class Checkpointer:
         self.wait()  # rule 3
         _check_step(step)
         self._check_step_free(step)
-        checked_metrics = {name: metric_value(name, value) for name, value in (metrics or {}).items()}
+        checked_metrics = {_metric_name(name): metric_value(name, value) for name, value in (metrics or {}).items()}
         files = self._snapshot(step, items, checked_metrics)  # rule 4
         if self.config.async_save:
             self._inflight = self._pool().submit(self._write, step, files, checked_metrics)
@@ -289,8 +292,8 @@ class Checkpointer:
         """Load the newest valid step into ``items`` and the RNG streams; returns it, or None.
 
         ``step`` picks one step (no fallback); ``verify``/``fallback`` override the config.
-        ``rng``: None restores RNG streams when the step has them, True requires them,
-        False leaves this process's RNG streams alone.
+        ``rng``: None restores RNG streams when the step has them (and ``capture_rng``
+        is on), True requires them, False leaves this process's RNG streams alone.
 
         Example:
             >>> import tempfile, torch
@@ -330,7 +333,7 @@ class Checkpointer:
         for name, obj in items.items():
             kind, state = snapshot.items[name]
             apply_item(name, obj, kind, state, state_path)
-        if rng is not False and snapshot.rng is not None:
+        if rng or (rng is None and self.config.capture_rng and snapshot.rng is not None):
             restore_rng(snapshot.rng, state_path)
 
     # ----- inspecting and closing ---------------------------------------------------------
@@ -380,6 +383,12 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"this Checkpointer for {self.directory} is closed; build a new one")
+
+
+def _metric_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"metric name {name!r} is a {type(name).__name__}; expected a str")
+    return name
 
 
 def _check_step(step: object) -> None:

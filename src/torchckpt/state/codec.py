@@ -96,7 +96,7 @@ def _encode(
     )
 
 
-def _encode_dict(value: dict, path, item, tensors, seen) -> Any:
+def _encode_dict(value: dict, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor], seen: set[tuple[str, int]]) -> Any:
     plain = all(type(k) is str for k in value) and _TAG not in value
     if plain:
         return {k: _encode(v, path + (k,), item, tensors, seen) for k, v in value.items()}
@@ -107,7 +107,9 @@ def _encode_dict(value: dict, path, item, tensors, seen) -> Any:
     return {_TAG: "dict", "items": pairs}
 
 
-def _encode_tensor(value: torch.Tensor, path, item, tensors, seen) -> dict[str, str]:
+def _encode_tensor(
+    value: torch.Tensor, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor], seen: set[tuple[str, int]]
+) -> dict[str, str]:
     if value.layout != torch.strided or value.is_quantized or value.device.type == "meta":
         raise UnsupportedStateError(
             f"item {item!r}: tensor at {_path_text(path)} has layout {value.layout}, device "
@@ -132,7 +134,7 @@ def _unique_key(base: str, taken: Mapping[str, Any]) -> str:
     return f"{base}#{suffix}"
 
 
-def _encode_numpy(value: np.ndarray | np.generic, path, item) -> dict[str, Any]:
+def _encode_numpy(value: np.ndarray | np.generic, path: tuple[str, ...], item: str) -> dict[str, Any]:
     array = np.asarray(value)
     if array.dtype.hasobject:
         raise UnsupportedStateError(

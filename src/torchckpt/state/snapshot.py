@@ -122,7 +122,7 @@ def decode_snapshot(
         raise CheckpointCorruptError(f"{path_of(STATE_NAME)}: {problem}", {path_of(STATE_NAME): problem}) from None
 
 
-def _decode_item(meta: Mapping[str, Any], files: Mapping[str, bytes], path_of) -> tuple[str, Any]:
+def _decode_item(meta: Mapping[str, Any], files: Mapping[str, bytes], path_of: Callable[[str], str]) -> tuple[str, Any]:
     kind, state = _decode_item_state(meta, files, path_of)
     if meta.get("module_metadata") is not None:
         state = OrderedDict(state)
@@ -130,7 +130,9 @@ def _decode_item(meta: Mapping[str, Any], files: Mapping[str, bytes], path_of) -
     return kind, state
 
 
-def _decode_item_state(meta: Mapping[str, Any], files: Mapping[str, bytes], path_of) -> tuple[str, Any]:
+def _decode_item_state(
+    meta: Mapping[str, Any], files: Mapping[str, bytes], path_of: Callable[[str], str]
+) -> tuple[str, Any]:
     tensors = {}
     if meta["tensor_file"] is not None:
         name = meta["tensor_file"]
@@ -144,7 +146,7 @@ def _decode_item_state(meta: Mapping[str, Any], files: Mapping[str, bytes], path
     return meta["kind"], join_tensors(meta["tree"], tensors, path_of(STATE_NAME))
 
 
-def _file(files: Mapping[str, bytes], name: str, path_of) -> bytes:
+def _file(files: Mapping[str, bytes], name: str, path_of: Callable[[str], str]) -> bytes:
     if name not in files:
         problem = "missing: state.json refers to it but the manifest does not list it"
         raise CheckpointCorruptError(f"{path_of(name)}: {problem}", {path_of(name): problem})

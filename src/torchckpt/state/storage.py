@@ -26,6 +26,7 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from torchckpt.state.errors import CheckpointLockedError, CheckpointWriteError
@@ -154,9 +155,14 @@ class LocalStorage:
         except FileNotFoundError:
             return None
 
+    def _ensure_root(self) -> None:
+        if not os.path.isdir(self.location):
+            os.makedirs(self.location, exist_ok=True)
+            _fsync_dir(os.path.dirname(os.path.abspath(self.location)))  # the new root survives a crash
+
     def begin_step(self, step: int) -> _LocalStepWriter:
         """Start writing ``step`` into a fresh temp directory (rule 1)."""
-        os.makedirs(self.location, exist_ok=True)
+        self._ensure_root()
         temp = f"{TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:12]}"
         return _LocalStepWriter(self, step, temp)
 
@@ -187,7 +193,7 @@ class LocalStorage:
         """Take the writer lock (``flock``; released by the kernel if the process dies)."""
         import fcntl
 
-        os.makedirs(self.location, exist_ok=True)
+        self._ensure_root()
         path = os.path.join(self.location, LOCK_NAME)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -254,7 +260,7 @@ class _LocalStepWriter:
         """Discard the temp directory (best effort; start-up cleans what is left)."""
         shutil.rmtree(self._temp, ignore_errors=True)
 
-    def _wrap(self, action, path: str, total: int, progress: list[int] | None = None) -> None:
+    def _wrap(self, action: Callable[[], None], path: str, total: int, progress: list[int] | None = None) -> None:
         try:
             action()
         except OSError as error:
