@@ -61,17 +61,20 @@ class LoopStats:
     steps: int = 0
     checkpoints: int = 0
     carry_bytes: int = 0
+    step_evaluations: int = 0
+    record_actions: bool = True
     actions: list[Action] = dataclasses.field(default_factory=list)
-
-    @property
-    def step_evaluations(self) -> int:
-        """``step_fn`` calls so far, forward and backward."""
-        return sum(a.evaluations for a in self.actions)
 
     @property
     def recomputed_evaluations(self) -> int:
         """``step_fn`` calls beyond the forward pass."""
         return self.step_evaluations - self.steps
+
+    def add(self, action: Action) -> None:
+        """Count an action's evaluations; keep the action itself if ``record_actions``."""
+        self.step_evaluations += action.evaluations
+        if self.record_actions:
+            self.actions.append(action)
 
     def lines(self) -> list[str]:
         """The actions run, as short strings (compare with ``RevolveSchedule.lines()``)."""
@@ -286,7 +289,7 @@ class _LoopRunner:
     # ----------------------------------------------------------------- actions
     def execute(self, actions: list[Action], forward: bool) -> None:
         for action in actions:
-            self.stats.actions.append(action)
+            self.stats.add(action)
             if action.kind == "store":
                 self.store[action.stop] = self._snapshot(action.stop)
             elif action.kind == "free":
@@ -325,7 +328,10 @@ class _LoopRunner:
         for slot in self.newest_slots:
             slot.tensor = None
         self.newest_slots = []
-        self.requires_grad.append(tuple(t.requires_grad for t in self.current))
+        flags = tuple(t.requires_grad for t in self.current)
+        if self.requires_grad and self.requires_grad[-1] == flags:
+            flags = self.requires_grad[-1]  # share the tuple: one pointer per step, not one tuple
+        self.requires_grad.append(flags)
 
         def pack(tensor: torch.Tensor) -> _SavedSlot:
             slot = _SavedSlot(step, len(self.newest_slots), tensor)
@@ -409,8 +415,8 @@ def _prepare(
 ) -> tuple[_CarryLayout, list[torch.Tensor], int, LoopStats]:
     layout, leaves = _CarryLayout.of(carry)
     count = _resolve_checkpoints(checkpoints, budget_bytes, layout.nbytes)
-    stats = stats if stats is not None else LoopStats()
-    stats.checkpoints, stats.carry_bytes, stats.actions[:] = count, layout.nbytes, []
+    stats = stats if stats is not None else LoopStats(record_actions=False)  # counts only: no O(steps) list
+    stats.checkpoints, stats.carry_bytes, stats.step_evaluations, stats.actions[:] = count, layout.nbytes, 0, []
     return layout, leaves, count, stats
 
 
@@ -469,7 +475,7 @@ def _plain_loop(
     """Without grad there is nothing to store: run the steps (still checking the carry)."""
     for step in range(1, steps + 1):
         leaves = layout.leaves_of(step_fn(layout.build(leaves)), step)
-    stats.actions.append(Action("advance", 0, steps))
+    stats.add(Action("advance", 0, steps))
     return layout.build(leaves)
 
 
@@ -518,15 +524,15 @@ def checkpointed_while(
         step += 1
     stats.steps = step
     if grad and step > 0:
-        stats.actions.pop()  # the last step ran as an advance; it is the taped one (rule 2)
         *frees, tape = planner.end_forward(step)
+        if stats.record_actions:  # the last step ran as an advance; it is the taped one (rule 2)
+            stats.actions[-1] = tape
         runner.execute(frees, forward=True)
-        stats.actions.append(tape)
     return layout.build(runner.current)
 
 
 def _advance_plain(runner: _LoopRunner, step: int) -> list[torch.Tensor]:
-    runner.stats.actions.append(Action("advance", step - 1, step))
+    runner.stats.add(Action("advance", step - 1, step))
     return runner.layout.leaves_of(runner.step_fn(runner.layout.build(runner.current)), step)
 
 

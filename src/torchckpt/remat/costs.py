@@ -1,0 +1,131 @@
+"""The planner's cost model: measured data only, decided nothing (DESIGN.md, "The planner's model").
+
+This module never imports torch: the profiler fills these values, the solver (pure numpy) reads them.
+All sizes are bytes (ints), all times seconds (floats).
+
+The peak model the solver evaluates (numbered so that solver, profiler and tests can point at it):
+
+1. A model is ``fixed_bytes`` (parameters, gradients, optimizer state, the batch, and activations
+   outside the blocks that live through the backward pass) plus a chain of blocks ``0..n-1``.
+   Block ``i`` reads ``x_i = blocks[i].input_bytes`` and produces ``y_i = blocks[i].output_bytes``
+   (``y_i == x_{i+1}``). The gradient of a tensor has the tensor's size.
+2. A plan is a sequence of pieces covering the chain in order. A piece is a single block with a menu
+   option, or a region of consecutive blocks checkpointed as a whole whose inside is again a plan.
+3. After its forward pass a piece holds: a plain block ``x_i + saved_bytes``; a checkpointed block
+   ``x_i + kept`` (``kept`` = bytes of the op outputs its option keeps); a region ``x_i`` of its first
+   block. Inside a region, blocks can only be plain or keep nothing (executor rule 6).
+4. Forward end: ``fixed_bytes + sum(held) + head_bytes`` (``head_bytes``: the loss, logits and their
+   gradients above everything else, measured).
+5. The backward pass visits pieces in reverse. With ``C`` the bytes live around the chain (top level:
+   ``fixed_bytes + y_{n-1}``, the gradient arriving from the head) and ``H`` the bytes held by earlier
+   pieces of the same chain, the backward of block ``i`` peaks at
+   ``C + H + x_i + saved_bytes_i + backward_peak_bytes_i (+ recompute_peak_bytes_i if checkpointed)
+   (+ y_i unless i is the chain's last block, whose incoming gradient is already in C)``.
+   A region's inside is evaluated as a chain with ``C' = C + H (+ y_last unless the region is last)``.
+6. The forward pass of block ``i`` peaks at ``C + H + x_i + forward_peak_bytes_i``.
+7. The predicted peak is the maximum of 4, 5 and 6 over the plan; extra time is the sum of recompute
+   times: a checkpointed block's option time, a region's forward time plus its inside's extra time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["OpCosts", "BlockCosts", "ChainCosts"]
+
+
+def _check_non_negative(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{owner}.{name} must be a number >= 0; got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpCosts:
+    """One op of a block's forward pass, at the position the executor's policies see (``OpInfo.index``).
+
+    ``saved``: autograd keeps this op's output for the backward pass when the block runs plainly, so
+    keeping it under checkpointing saves its recomputation without adding memory beyond ``saved_bytes``.
+    """
+
+    index: int
+    name: str
+    output_bytes: int
+    saved: bool
+    time_s: float
+
+    def __post_init__(self) -> None:
+        _check_non_negative("OpCosts", index=self.index, output_bytes=self.output_bytes, time_s=self.time_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockCosts:
+    """Measured costs of one block (see rules 1, 3, 5, 6 of the module docstring)."""
+
+    name: str
+    input_bytes: int
+    output_bytes: int
+    saved_bytes: int
+    forward_time_s: float
+    forward_peak_bytes: int = 0
+    backward_peak_bytes: int = 0
+    recompute_peak_bytes: int = 0
+    ops: tuple[OpCosts, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_non_negative(f"BlockCosts({self.name!r})", input_bytes=self.input_bytes,
+                            output_bytes=self.output_bytes, saved_bytes=self.saved_bytes,
+                            forward_time_s=self.forward_time_s, forward_peak_bytes=self.forward_peak_bytes,
+                            backward_peak_bytes=self.backward_peak_bytes,
+                            recompute_peak_bytes=self.recompute_peak_bytes)
+        object.__setattr__(self, "ops", tuple(op if isinstance(op, OpCosts) else OpCosts(**op) for op in self.ops))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChainCosts:
+    """The whole cost model: fixed bytes, the head's transient, and the chain of blocks.
+
+    Example:
+        >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
+        >>> costs = ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block, block))
+        >>> ChainCosts.from_json(costs.to_json()) == costs
+        True
+    """
+
+    fixed_bytes: int
+    head_bytes: int
+    blocks: tuple[BlockCosts, ...]
+    step_time_s: float = 0.0
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_non_negative("ChainCosts", fixed_bytes=self.fixed_bytes, head_bytes=self.head_bytes,
+                            step_time_s=self.step_time_s)
+        blocks = tuple(b if isinstance(b, BlockCosts) else BlockCosts(**b) for b in self.blocks)
+        if not blocks:
+            raise ValueError("ChainCosts.blocks is empty: a cost model needs at least one block")
+        for before, after in zip(blocks, blocks[1:]):
+            if before.output_bytes != after.input_bytes:
+                raise ValueError(f"ChainCosts: block {before.name!r} outputs {before.output_bytes} bytes but the next "
+                                 f"block {after.name!r} reads {after.input_bytes}; blocks must form a chain")
+        object.__setattr__(self, "blocks", blocks)
+
+    def to_json(self) -> str:
+        """Serialise to JSON (the round trip is exact)."""
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ChainCosts:
+        """Read what :meth:`to_json` wrote."""
+        return cls(**json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        """Write the JSON form to ``path``."""
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> ChainCosts:
+        """Read a cost model saved with :meth:`save`."""
+        return cls.from_json(Path(path).read_text())
