@@ -137,7 +137,7 @@ def table(rows: list[Row], problem: Problem) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[Row], path: Path) -> None:
+def plot(rows: list[Row], problem: Problem, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,7 +151,7 @@ def plot(rows: list[Row], path: Path) -> None:
     ax.set_xlabel("forward + backward time (s)")
     ax.set_ylabel("peak live tensor memory (MiB)")
     ax.set_yscale("log")
-    ax.set_title("10k-step recurrence: memory vs time" if rows else "")
+    ax.set_title(f"{problem.steps}-step recurrence: memory vs time")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -188,7 +188,7 @@ def main() -> None:
     (args.out / "loops.md").write_text(text)
     (args.out / "loops.json").write_text(json.dumps(
         {"problem": dataclasses.asdict(problem), "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
-    plot(rows, args.out / "loops.png")
+    plot(rows, problem, args.out / "loops.png")
     print(text)
 
 

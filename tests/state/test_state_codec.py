@@ -6,6 +6,7 @@ import pickle
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 from state_workers import bitwise_equal
 
@@ -19,7 +20,10 @@ from torchckpt.state.codec import (
 )
 from torchckpt.state.errors import CheckpointCorruptError, UnsafeFileError, UnsupportedStateError
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.uint8, torch.bool]
+DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
+]
 
 
 def _round_trip(tree):
@@ -31,7 +35,7 @@ def _round_trip(tree):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_tensors_round_trip_bitwise(dtype):
-    source = (torch.randn(3, 5) * 100).to(dtype)
+    source = torch.randint(0, 200, (3, 5), dtype=torch.int64).to(dtype) if not dtype.is_floating_point else (torch.randn(3, 5) * 100).to(dtype)
     tree = {"t": source, "scalar": source[0, 0].clone(), "empty": source[:0], "strided": source.t()}
     back = _round_trip(tree)
     assert bitwise_equal(back["t"], source)
@@ -100,3 +104,17 @@ def test_garbage_safetensors_is_corrupt_not_a_crash():
     data = encode_safetensors({"w": torch.ones(100)})
     with pytest.raises(CheckpointCorruptError, match="m.safetensors: safetensors could not decode it"):
         decode_safetensors(data[:-10], "m.safetensors")
+
+
+def test_writer_output_matches_the_reference_library_and_format_rules():
+    tensors = {"b": torch.arange(3, dtype=torch.int8), "a": torch.randn(2, 2, dtype=torch.float64), "e": torch.ones(0)}
+    ours = bytes(encode_safetensors(tensors))
+    header_bytes = int.from_bytes(ours[:8], "little")
+    assert header_bytes % 8 == 0 and ours[8:9] == b"{"
+    reference = safetensors.torch.load(safetensors.torch.save(tensors))
+    assert all(bitwise_equal(safetensors.torch.load(ours)[k], reference[k]) for k in tensors)
+
+
+def test_complex_tensors_are_refused_with_a_fix():
+    with pytest.raises(UnsupportedStateError, match="dtype torch.complex64.*view_as_real"):
+        split_tensors({"z": torch.zeros(2, dtype=torch.complex64)}, "item")

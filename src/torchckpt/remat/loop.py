@@ -47,6 +47,9 @@ Carry = Any  # a tensor, or tuples / lists / dicts / namedtuples of tensors
 class LoopStats:
     """What a checkpointed loop did; pass one in as ``stats=`` and read it after backward.
 
+    ``actions`` lists every store / restore / advance / tape run, forward and backward (one entry per
+    action, about five per step); pass ``record_actions=False`` to keep only the counts.
+
     Example:
         >>> import torch
         >>> stats = LoopStats()

@@ -6,7 +6,7 @@ Only ``checkpoints`` states may be held at once. Which states to keep, and which
 so that the total number of step evaluations is least?
 
 Griewank (1992) and Griewank & Walther, "Algorithm 799: Revolve", ACM TOMS 26(1), 2000, answer it:
-with ``s`` checkpoints and at most ``t`` evaluations of any step beyond its first, at most
+with ``s`` checkpoints and each step advanced (evaluated without a graph) at most ``t`` times, at most
 ``beta(s, t) = binom(s + t, s)`` steps can be reversed, and the least number of *advances* (untaped
 evaluations, the first forward sweep included) to reverse ``l`` steps is
 
@@ -25,8 +25,8 @@ Rules this module keeps (our executor, ``torchckpt.remat.loop``, relies on each)
 4. Requests out of order (a second backward pass with ``retain_graph=True``) stay correct: they
    restart from the latest state still held, at the price of extra advances.
 
-The online variant (length unknown while running forward, ``checkpointed_while``) keeps every new
-state and, when all slots are full, evicts by level, after Wang, Moin & Iaccarino, "Minimal repetition
+The online variant (length unknown while running forward, ``checkpointed_while``) considers every new
+state and, when all slots are full, evicts one by level, after Wang, Moin & Iaccarino, "Minimal repetition
 dynamic checkpointing algorithm for unsteady adjoint calculation", SIAM J. Sci. Comput. 31(4), 2009;
 Stumm & Walther, "New algorithms for optimal online checkpointing", SIAM J. Sci. Comput. 32(2), 2010,
 analyse the same setting. Once the length is known the reversal is the offline binomial one.

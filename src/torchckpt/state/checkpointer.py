@@ -217,12 +217,12 @@ class Checkpointer:
         )
         raise SystemExit(0)
 
-    def _snapshot(self, step: int, items: Mapping[str, Any], metrics: Mapping[str, float]) -> dict[str, bytes]:
+    def _snapshot(self, step: int, items: Mapping[str, Any], metrics: Mapping[str, float]) -> dict[str, bytes | memoryview]:
         captured = {name: capture_item(name, obj) for name, obj in items.items()}
         rng = capture_rng() if self.config.capture_rng else None
         return encode_snapshot(step=step, items=captured, rng=rng, metrics=metrics)
 
-    def _write(self, step: int, files: Mapping[str, bytes], metrics: Mapping[str, float]) -> None:
+    def _write(self, step: int, files: Mapping[str, bytes | memoryview], metrics: Mapping[str, float]) -> None:
         algorithm = self.config.hash_algorithm
         writer = self._storage.begin_step(step)
         try:

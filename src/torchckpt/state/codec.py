@@ -12,12 +12,15 @@ Rules kept here:
 3. Tensor keys are the path of the tensor in the tree joined by ``.``, so a
    model's flat state_dict is stored under its own keys (``torchckpt export``
    relies on this).
+4. Encoding copies each tensor's bytes exactly once, into one host buffer: that
+   buffer is the snapshot an async save writes while training goes on.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -36,8 +39,8 @@ _SAFETENSORS_MAX_HEADER_BYTES = 100 << 20
 def split_tensors(tree: Any, item: str) -> tuple[Any, dict[str, torch.Tensor]]:
     """Separate tensors from a nested state into (JSON-able tree, flat tensor dict).
 
-    Tensors are moved to CPU and made contiguous; tensors sharing storage are
-    cloned so that safetensors stores each one separately.
+    Tensors are moved to CPU and made contiguous (views only; the copy happens in
+    :func:`encode_safetensors`). Tied tensors are stored once per key.
 
     Example:
         >>> tree, tensors = split_tensors({"w": torch.ones(2), "lr": 0.1, 3: (1, 2)}, "opt")
@@ -45,8 +48,7 @@ def split_tensors(tree: Any, item: str) -> tuple[Any, dict[str, torch.Tensor]]:
         (['w'], 'dict')
     """
     tensors: dict[str, torch.Tensor] = {}
-    seen_storages: set[tuple[str, int]] = set()
-    encoded = _encode(tree, (), item, tensors, seen_storages)
+    encoded = _encode(tree, (), item, tensors)
     return encoded, tensors
 
 
@@ -70,19 +72,18 @@ def _encode(
     path: tuple[str, ...],
     item: str,
     tensors: dict[str, torch.Tensor],
-    seen: set[tuple[str, int]],
 ) -> Any:
     if type(value) in _SCALARS:
         return value
     if isinstance(value, torch.Tensor):
-        return _encode_tensor(value, path, item, tensors, seen)
+        return _encode_tensor(value, path, item, tensors)
     if type(value) in (dict, OrderedDict):  # state_dict() returns an OrderedDict
-        return _encode_dict(value, path, item, tensors, seen)
+        return _encode_dict(value, path, item, tensors)
     if type(value) is list:
-        return [_encode(v, path + (str(i),), item, tensors, seen) for i, v in enumerate(value)]
+        return [_encode(v, path + (str(i),), item, tensors) for i, v in enumerate(value)]
     if type(value) in (tuple, torch.Size):
         kind = "tuple" if type(value) is tuple else "size"
-        items = [_encode(v, path + (str(i),), item, tensors, seen) for i, v in enumerate(value)]
+        items = [_encode(v, path + (str(i),), item, tensors) for i, v in enumerate(value)]
         return {_TAG: kind, "items": items}
     if isinstance(value, (np.ndarray, np.generic)):
         return _encode_numpy(value, path, item)
@@ -96,30 +97,32 @@ def _encode(
     )
 
 
-def _encode_dict(value: dict, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor], seen: set[tuple[str, int]]) -> Any:
+def _encode_dict(value: dict, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor]) -> Any:
     plain = all(type(k) is str for k in value) and _TAG not in value
     if plain:
-        return {k: _encode(v, path + (k,), item, tensors, seen) for k, v in value.items()}
+        return {k: _encode(v, path + (k,), item, tensors) for k, v in value.items()}
     pairs = [
-        [_encode(k, path, item, tensors, seen), _encode(v, path + (str(k),), item, tensors, seen)]
+        [_encode(k, path, item, tensors), _encode(v, path + (str(k),), item, tensors)]
         for k, v in value.items()
     ]
     return {_TAG: "dict", "items": pairs}
 
 
 def _encode_tensor(
-    value: torch.Tensor, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor], seen: set[tuple[str, int]]
+    value: torch.Tensor, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor]
 ) -> dict[str, str]:
     if value.layout != torch.strided or value.is_quantized or value.device.type == "meta":
         raise UnsupportedStateError(
             f"item {item!r}: tensor at {_path_text(path)} has layout {value.layout}, device "
             f"{value.device}; expected a dense strided tensor. Fix: convert it (e.g. .to_dense())."
         )
+    if value.dtype not in SAFETENSORS_DTYPES:
+        raise UnsupportedStateError(
+            f"item {item!r}: tensor at {_path_text(path)} has dtype {value.dtype}, which safetensors "
+            f"cannot store (supported: {sorted(str(d) for d in SAFETENSORS_DTYPES)}). Fix: convert it "
+            "(complex: torch.view_as_real) in state_dict()."
+        )
     host = value.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
-    storage_key = (str(host.device), host.untyped_storage().data_ptr())
-    if host.numel() and storage_key in seen:
-        host = host.clone()  # tied weights: store each key on its own
-    seen.add((str(host.device), host.untyped_storage().data_ptr()))
     key = _unique_key(_path_text(path), tensors)
     tensors[key] = host
     return {_TAG: "tensor", "key": key}
@@ -196,7 +199,7 @@ def encode_json(tree: Any) -> bytes:
     return json.dumps(tree, indent=None, separators=(",", ":")).encode("utf-8")
 
 
-def decode_json(data: bytes, path: str) -> Any:
+def decode_json(data: bytes | memoryview, path: str) -> Any:
     """Parse JSON bytes read from ``path``; refuses pickles (rule 1).
 
     Example:
@@ -205,23 +208,60 @@ def decode_json(data: bytes, path: str) -> Any:
     """
     refuse_executable_formats(data, path)
     try:
-        return json.loads(data.decode("utf-8"))
+        return json.loads(bytes(data).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         problem = f"not valid JSON ({error})"
         raise CheckpointCorruptError(f"{path}: {problem}", {path: problem}) from None
 
 
-def encode_safetensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """safetensors bytes of CPU contiguous tensors (as produced by :func:`split_tensors`).
+# safetensors dtype names (https://github.com/huggingface/safetensors, format spec).
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def encode_safetensors(tensors: Mapping[str, torch.Tensor]) -> memoryview:
+    """safetensors bytes of CPU contiguous tensors, built with one copy per tensor (rule 4).
+
+    Decoding uses the reference ``safetensors`` parser, so every round trip in the
+    tests also checks that this writer follows the format.
 
     Example:
         >>> decode_safetensors(encode_safetensors({"w": torch.ones(2)}), "m.safetensors")["w"]
         tensor([1., 1.])
     """
-    return safetensors.torch.save(dict(tensors))
+    if sys.byteorder != "little":  # the format is little-endian; let the library swap bytes
+        return memoryview(safetensors.torch.save(dict(tensors)))
+    order = sorted(tensors, key=lambda key: (-tensors[key].element_size(), key))  # keeps data aligned
+    header, data_bytes = _safetensors_header(tensors, order)
+    buffer = torch.empty(8 + len(header) + data_bytes, dtype=torch.uint8)
+    buffer[:8] = torch.frombuffer(bytearray(len(header).to_bytes(8, "little")), dtype=torch.uint8)
+    buffer[8 : 8 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    position = 8 + len(header)
+    for key in order:
+        raw = tensors[key].reshape(-1).view(torch.uint8)
+        buffer[position : position + raw.numel()] = raw
+        position += raw.numel()
+    return memoryview(buffer.numpy())
 
 
-def decode_safetensors(data: bytes, path: str) -> dict[str, torch.Tensor]:
+def _safetensors_header(tensors: Mapping[str, torch.Tensor], order: list[str]) -> tuple[bytes, int]:
+    entries: dict[str, Any] = {}
+    offset = 0
+    for key in order:
+        tensor = tensors[key]
+        size = tensor.numel() * tensor.element_size()
+        entries[key] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps(entries, separators=(",", ":")).encode("utf-8")
+    return header + b" " * (-len(header) % 8), offset
+
+
+def decode_safetensors(data: bytes | memoryview, path: str) -> dict[str, torch.Tensor]:
     """Parse safetensors bytes read from ``path``; refuses pickles (rule 1).
 
     Example:
@@ -237,13 +277,13 @@ def decode_safetensors(data: bytes, path: str) -> dict[str, torch.Tensor]:
         problem = f"not a safetensors file (header length field {header_bytes}, file {len(data)} bytes)"
         raise CheckpointCorruptError(f"{path}: {problem}", {path: problem})
     try:
-        return safetensors.torch.load(data)
+        return safetensors.torch.load(bytes(data))
     except Exception as error:  # safetensors raises its own SafetensorError
         problem = f"safetensors could not decode it ({error})"
         raise CheckpointCorruptError(f"{path}: {problem}", {path: problem}) from None
 
 
-def refuse_executable_formats(data: bytes, path: str) -> None:
+def refuse_executable_formats(data: bytes | memoryview, path: str) -> None:
     """Raise :class:`UnsafeFileError` if ``data`` looks like a pickle or ``torch.save`` zip.
 
     Example:

@@ -53,7 +53,7 @@ def _is_flat(tree: Any) -> bool:
     )
 
 
-def _encode_item(name: str, kind: str, state: Any, files: dict[str, bytes]) -> dict[str, Any]:
+def _encode_item(name: str, kind: str, state: Any, files: dict[str, bytes | memoryview]) -> dict[str, Any]:
     tree, tensors = split_tensors(state, name)
     meta: dict[str, Any] = {"kind": kind, "tensor_file": None, "tree_file": None, "tree": None}
     module_metadata = getattr(state, "_metadata", None)  # nn.Module versions, read by load_state_dict
@@ -76,7 +76,7 @@ def encode_snapshot(
     items: Mapping[str, tuple[str, Any]],
     rng: Mapping[str, Any] | None,
     metrics: Mapping[str, float],
-) -> dict[str, bytes]:
+) -> dict[str, bytes | memoryview]:
     """Files (name -> bytes) of one step, ``state.json`` included (rules 1, 2).
 
     Example:
@@ -85,7 +85,7 @@ def encode_snapshot(
         ...                        rng=None, metrics={}))
         ['model.safetensors', 'state.json']
     """
-    files: dict[str, bytes] = {}
+    files: dict[str, bytes | memoryview] = {}
     items_meta = {name: _encode_item(name, kind, state, files) for name, (kind, state) in items.items()}
     rng_tree, rng_tensors = split_tensors(rng, "rng")
     assert not rng_tensors, "capture_rng returns JSON-able values only"
@@ -95,7 +95,7 @@ def encode_snapshot(
 
 
 def decode_snapshot(
-    files: Mapping[str, bytes],
+    files: Mapping[str, bytes | memoryview],
     path_of: Callable[[str], str],
     wanted: Collection[str] | None = None,
 ) -> Snapshot:
@@ -122,7 +122,7 @@ def decode_snapshot(
         raise CheckpointCorruptError(f"{path_of(STATE_NAME)}: {problem}", {path_of(STATE_NAME): problem}) from None
 
 
-def _decode_item(meta: Mapping[str, Any], files: Mapping[str, bytes], path_of: Callable[[str], str]) -> tuple[str, Any]:
+def _decode_item(meta: Mapping[str, Any], files: Mapping[str, bytes | memoryview], path_of: Callable[[str], str]) -> tuple[str, Any]:
     kind, state = _decode_item_state(meta, files, path_of)
     if meta.get("module_metadata") is not None:
         state = OrderedDict(state)
@@ -131,7 +131,7 @@ def _decode_item(meta: Mapping[str, Any], files: Mapping[str, bytes], path_of: C
 
 
 def _decode_item_state(
-    meta: Mapping[str, Any], files: Mapping[str, bytes], path_of: Callable[[str], str]
+    meta: Mapping[str, Any], files: Mapping[str, bytes | memoryview], path_of: Callable[[str], str]
 ) -> tuple[str, Any]:
     tensors = {}
     if meta["tensor_file"] is not None:
@@ -146,7 +146,7 @@ def _decode_item_state(
     return meta["kind"], join_tensors(meta["tree"], tensors, path_of(STATE_NAME))
 
 
-def _file(files: Mapping[str, bytes], name: str, path_of: Callable[[str], str]) -> bytes:
+def _file(files: Mapping[str, bytes | memoryview], name: str, path_of: Callable[[str], str]) -> bytes | memoryview:
     if name not in files:
         problem = "missing: state.json refers to it but the manifest does not list it"
         raise CheckpointCorruptError(f"{path_of(name)}: {problem}", {path_of(name): problem})

@@ -44,7 +44,7 @@ from torchckpt.state.format import (
 class StepWriter(Protocol):
     """Writes the files of one step, then commits them (or aborts)."""
 
-    def write(self, name: str, data: bytes) -> None: ...
+    def write(self, name: str, data: bytes | memoryview) -> None: ...
     def commit(self, manifest: bytes) -> None: ...
     def abort(self) -> None: ...
 
@@ -105,7 +105,7 @@ def _write_error(path: str, error: OSError, done_bytes: int, total_bytes: int) -
     )
 
 
-def _write_fully(fd: int, data: bytes) -> int:
+def _write_fully(fd: int, data: bytes | memoryview) -> int:
     """Write all of ``data`` to ``fd``; returns bytes written (a partial write loops)."""
     view = memoryview(data)
     done = 0
@@ -226,7 +226,7 @@ class _LocalStepWriter:
         self._temp = storage.path_of(temp_entry)
         self._wrap(lambda: os.mkdir(self._temp), self._temp, 0)
 
-    def write(self, name: str, data: bytes) -> None:
+    def write(self, name: str, data: bytes | memoryview) -> None:
         """Write and fsync one file."""
         path = os.path.join(self._temp, name)
         progress = [0]
@@ -370,11 +370,11 @@ class _FsspecStepWriter:
         self._storage = storage
         self._entry = entry
 
-    def write(self, name: str, data: bytes) -> None:
+    def write(self, name: str, data: bytes | memoryview) -> None:
         """Upload one file."""
         path = self._storage._inner(self._entry, name)
         try:
-            self._storage._fs.pipe_file(path, data)
+            self._storage._fs.pipe_file(path, bytes(data))
         except OSError as error:
             self.abort()
             raise _write_error(self._storage.path_of(self._entry, name), error, 0, len(data)) from error

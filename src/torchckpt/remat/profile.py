@@ -1,0 +1,390 @@
+"""Measure a model into a cost model (``costs.ChainCosts``). Measures only; decides nothing.
+
+How each figure of ``costs.py`` is obtained (rules of that module in brackets):
+
+1. Two real training steps run under a ``MemoryMeter``: one plain, one with every block checkpointed
+   (keep nothing). Hooks mark each block's forward (pre/post hooks) and backward (a gradient hook on
+   the block's output marks its start, one on its input its end); the meter's peak is read between marks.
+2. ``fixed_bytes`` is what is live when block 0 starts, minus block 0's input; ``saved_bytes`` is what a
+   block's forward leaves behind minus its output [3]; ``head_bytes`` is the peak between the last
+   block's forward and the first block backward, above fixed and everything the blocks hold [4].
+3. ``backward_peak_bytes`` and ``forward_peak_bytes`` are the measured peaks minus what rules 5 and 6
+   already count, so the all-plain plan is predicted exactly; they absorb what the model does not name
+   (parameter gradients created so far, the head's leftovers). ``recompute_peak_bytes`` is the same
+   residue from the checkpointed step, above the plain one.
+4. Ops are recorded inside each block's plain forward with the executor's own numbering (``aten.detach``
+   skipped, ``tag`` visible as in a checkpointed region), so ``save_ops`` indices in a plan refer to them.
+   An op is ``saved`` when autograd saves a tensor whose storage the op created. Op times are measured
+   with the recorder on and scaled so that they sum to the block's forward time, which is timed
+   separately (median of repeats, once per structurally equal block with equal input shape).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from torchckpt.memory import MemoryMeter
+from torchckpt.remat.apply import checkpoint_modules
+from torchckpt.remat.blocks import find_blocks, structure_key
+from torchckpt.remat.costs import BlockCosts, ChainCosts, OpCosts
+from torchckpt.remat.policies import TAG_STATE, _op_name
+
+__all__ = ["profile", "StepRunner", "default_loss"]
+
+_DETACH = torch.ops.aten.detach.default
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss torchckpt uses when none is given: the output if scalar, else ``output.loss``, else ``sum()``.
+
+    Example:
+        >>> default_loss(torch.ones(3))
+        tensor(3.)
+    """
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() == 0 else output.sum()
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0] if output[0].dim() == 0 else output[0].sum()
+    raise TypeError(f"cannot derive a loss from a model output of type {type(output).__name__}; pass "
+                    "loss_fn=lambda output: ... returning a scalar tensor")
+
+
+@dataclass
+class StepRunner:
+    """Runs one training step of ``model`` on ``example_inputs`` (a tuple of args or a dict of kwargs)."""
+
+    model: nn.Module
+    example_inputs: tuple | dict
+    loss_fn: Callable[[Any], torch.Tensor] | None = None
+    optimizer: torch.optim.Optimizer | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.example_inputs, (tuple, dict)):
+            raise TypeError(f"example_inputs must be a tuple of positional arguments or a dict of keyword "
+                            f"arguments; got {type(self.example_inputs).__name__} (wrap one tensor as (x,))")
+
+    def forward_backward(self) -> torch.Tensor:
+        """Forward, loss, backward; returns the detached loss. Gradients are left in ``.grad``."""
+        if isinstance(self.example_inputs, dict):
+            output = self.model(**self.example_inputs)
+        else:
+            output = self.model(*self.example_inputs)
+        loss = (self.loss_fn or default_loss)(output)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError(f"loss_fn must return a scalar tensor; got {type(loss).__name__}")
+        del output
+        loss.backward()
+        return loss.detach()
+
+    def clear_grads(self) -> None:
+        """Drop gradients (``set_to_none``), as a training loop does between steps."""
+        for param in self.model.parameters():
+            param.grad = None
+
+    def optimizer_step(self) -> None:
+        """Take one optimizer step (so its state exists) and clear gradients."""
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self.clear_grads()
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+    return None
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.untyped_storage().nbytes()
+
+
+@dataclass
+class _BlockTrace:
+    input_bytes: int = 0
+    output_bytes: int = 0
+    before_forward: int = 0
+    after_forward: int = 0
+    forward_peak: int = 0
+    backward_peak: int | None = None
+    calls: int = 0
+    ops: list[dict] = field(default_factory=list)
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the ops of the block currently running forward, numbered as the executor numbers them.
+
+    Storages are identified by their Python object (alive as long as the storage), never by address:
+    the allocator reuses the address of a freed storage at once.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block: _BlockTrace | None = None
+        self._created: dict[int, tuple[_BlockTrace, int]] = {}  # id(storage) -> (block, op index)
+        self._refs: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        block = self.block
+        if block is None or func is _DETACH:
+            return func(*args, **kwargs)
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        elapsed = time.perf_counter() - start
+        index = len(block.ops)
+        new_bytes = 0
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                storage = leaf.untyped_storage()
+                key = id(storage)
+                if key not in inputs and key not in self._created:
+                    self._created[key] = (block, index)
+                    self._refs[key] = weakref.ref(storage, lambda _r, key=key: self._forget(key))
+                    new_bytes += storage.nbytes()
+        block.ops.append({"index": index, "name": _op_name(func), "output_bytes": new_bytes, "saved": False,
+                          "time_s": elapsed})
+        return out
+
+    def _forget(self, key: int) -> None:
+        self._created.pop(key, None)
+        self._refs.pop(key, None)
+
+    def mark_saved(self, tensor: torch.Tensor) -> None:
+        """Autograd saved ``tensor``: mark the op that created its storage as saved."""
+        owner = self._created.get(id(tensor.untyped_storage()))
+        if owner is not None and owner[0] is self.block:  # a block's output saved by the next is not its own
+            owner[0].ops[owner[1]]["saved"] = True
+
+
+class _Probe:
+    """Hooks on the blocks that read the meter at each block's forward and backward boundaries."""
+
+    def __init__(self, blocks: Sequence[nn.Module], meter: MemoryMeter, recorder: _Recorder | None) -> None:
+        self.blocks, self.meter, self.recorder = list(blocks), meter, recorder
+        self.traces = [_BlockTrace() for _ in self.blocks]
+        self.forward_end = 0
+        self.head_peak = 0
+        self._handles: list[Any] = []
+        self._backward_open: int | None = None
+        for i, block in enumerate(self.blocks):
+            self._handles.append(block.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            self._handles.append(block.register_forward_hook(self._post(i), with_kwargs=True))
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _pre(self, i: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            trace = self.traces[i]
+            trace.calls += 1
+            x = _first_tensor((args, kwargs))
+            trace.input_bytes = _nbytes(x)
+            trace.before_forward = self.meter.current_bytes
+            self.meter.reset_peak()
+            if x is not None and x.requires_grad:
+                x.register_hook(self._backward_end(i))
+            if self.recorder is not None:
+                self.recorder.block = trace
+                TAG_STATE.active_regions += 1  # tags act as inside a checkpointed region (same op numbering)
+        return hook
+
+    def _post(self, i: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            trace = self.traces[i]
+            if self.recorder is not None:
+                self.recorder.block = None
+                TAG_STATE.active_regions -= 1
+            y = _first_tensor(output)
+            trace.output_bytes = _nbytes(y)
+            trace.forward_peak = self.meter.peak_bytes
+            trace.after_forward = self.meter.current_bytes
+            if y is not None and y.requires_grad:
+                y.register_hook(self._backward_start(i))
+            if i == len(self.blocks) - 1:
+                self.meter.reset_peak()
+        return hook
+
+    def _backward_start(self, i: int) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            if i == len(self.blocks) - 1:
+                self.head_peak = self.meter.peak_bytes
+            self._close_backward()
+            self._backward_open = i
+            self.meter.reset_peak()
+        return hook
+
+    def _backward_end(self, i: int) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            if self._backward_open == i:
+                self._close_backward()
+        return hook
+
+    def _close_backward(self) -> None:
+        if self._backward_open is not None:
+            self.traces[self._backward_open].backward_peak = self.meter.peak_bytes
+            self._backward_open = None
+
+    def finish(self) -> None:
+        self._close_backward()
+
+
+def _measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bool) -> _Probe:
+    recorder = _Recorder() if record_ops else None
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if recorder is not None and recorder.block is not None:
+            recorder.mark_saved(tensor)
+        return tensor
+
+    with MemoryMeter() as meter:
+        probe = _Probe(blocks, meter, recorder)
+        try:
+            if recorder is not None:
+                with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    runner.forward_backward()
+            else:
+                runner.forward_backward()
+        finally:
+            probe.close()
+            if recorder is not None and recorder.block is not None:  # a block raised mid-forward
+                TAG_STATE.active_regions -= 1
+        probe.finish()
+    for i, trace in enumerate(probe.traces):
+        if trace.calls != 1:
+            raise ValueError(f"block {i} ({type(blocks[i]).__name__}) ran {trace.calls} times in one training step; "
+                             "torchckpt plans blocks that run exactly once per step (pass blocks=[...] to choose)")
+    return probe
+
+
+def _time_forward(block: nn.Module, args: tuple, kwargs: dict, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = block(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        del out
+    return statistics.median(times)
+
+
+def _block_times(blocks: Sequence[nn.Module], runner: StepRunner, repeats: int) -> list[float]:
+    """Forward time of each block (with autograd recording), once per structure and input shape."""
+    captured: dict[int, tuple[tuple, dict]] = {}
+    keys: list[tuple] = []
+    handles = []
+    for i, block in enumerate(blocks):
+        def grab(module: nn.Module, args: tuple, kwargs: dict, i: int = i) -> None:
+            x = _first_tensor((args, kwargs))
+            key = (structure_key(module), tuple(x.shape) if x is not None else ())
+            keys.append(key)
+            if key not in {keys[j] for j in captured}:
+                captured[i] = (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs))
+        handles.append(block.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            if isinstance(runner.example_inputs, dict):
+                runner.model(**runner.example_inputs)
+            else:
+                runner.model(*runner.example_inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    by_key = {keys[i]: _time_forward(blocks[i], *captured[i], repeats) for i in captured}
+    return [by_key[key] for key in keys]
+
+
+def profile(
+    model: nn.Module,
+    example_inputs: tuple | dict,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    blocks: str | Sequence[nn.Module] = "auto",
+    repeats: int = 3,
+) -> ChainCosts:
+    """Measure ``model`` on ``example_inputs`` and return its cost model.
+
+    Runs a warm-up step (with ``optimizer``: a real optimizer step, so its state exists as it will in
+    training), one measured plain step, one measured step with every block checkpointed, and timed block
+    forwards. Gradients are cleared afterwards; parameters change only through the optimizer warm-up.
+
+    Example:
+        >>> from torchckpt.models import gpt
+        >>> model = gpt("tiny", dropout=0.0)
+        >>> costs = profile(model, model.example_batch(batch_size=2, seq_len=16))
+        >>> len(costs.blocks), costs.blocks[0].input_bytes
+        (2, 8192)
+    """
+    block_list = _resolve_blocks(model, blocks)
+    runner = StepRunner(model, example_inputs, loss_fn, optimizer)
+    start = time.perf_counter()
+    runner.forward_backward()
+    runner.optimizer_step()
+    step_time_s = time.perf_counter() - start
+    plain = _measure_step(runner, block_list, record_ops=True)
+    runner.clear_grads()
+    with checkpoint_modules(block_list, policy="nothing_saveable"):
+        recomputed = _measure_step(runner, block_list, record_ops=False)
+    runner.clear_grads()
+    times = _block_times(block_list, runner, repeats)
+    return _assemble(plain, recomputed, times, step_time_s, [type(b).__name__ for b in block_list])
+
+
+def _resolve_blocks(model: nn.Module, blocks: str | Sequence[nn.Module]) -> list[nn.Module]:
+    if isinstance(blocks, str):
+        if blocks != "auto":
+            raise ValueError(f"blocks={blocks!r}: use 'auto' or a list of modules, e.g. blocks=list(model.layers)")
+        return find_blocks(model)[1]
+    block_list = list(blocks)
+    owned = {id(m) for m in model.modules()}
+    for block in block_list:
+        if not isinstance(block, nn.Module) or id(block) not in owned:
+            raise ValueError(f"blocks=[...] must be submodules of the model; got {type(block).__name__}")
+    if not block_list:
+        raise ValueError("blocks=[] is empty; give the model's repeated layers, e.g. blocks=list(model.layers)")
+    return block_list
+
+
+def _assemble(plain: _Probe, recomputed: _Probe, times: list[float], step_time_s: float,
+              names: list[str]) -> ChainCosts:
+    traces, n = plain.traces, len(plain.traces)
+    fixed = traces[0].before_forward - traces[0].input_bytes
+    saved = [max(0, t.after_forward - t.before_forward - t.output_bytes) for t in traces]
+    last_output = traces[-1].output_bytes
+    held_before = [sum(traces[k].input_bytes + saved[k] for k in range(i)) for i in range(n)]
+    head = max(0, plain.head_peak - fixed - held_before[-1] - traces[-1].input_bytes - saved[-1])
+    blocks = []
+    for i, trace in enumerate(traces):
+        incoming = 0 if i == n - 1 else trace.output_bytes
+        base = fixed + last_output + held_before[i] + trace.input_bytes + saved[i] + incoming
+        backward = max(0, (trace.backward_peak or 0) - base)
+        forward = max(0, trace.forward_peak - (fixed + held_before[i] + trace.input_bytes))
+        ckpt_trace = recomputed.traces[i]
+        ckpt_held = sum(recomputed.traces[k].input_bytes for k in range(i))
+        ckpt_base = fixed + last_output + ckpt_held + trace.input_bytes + saved[i] + incoming + backward
+        recompute = max(0, (ckpt_trace.backward_peak or 0) - ckpt_base)
+        op_time_total = sum(op["time_s"] for op in trace.ops) or 1.0
+        ops = tuple(OpCosts(index=op["index"], name=op["name"], output_bytes=op["output_bytes"], saved=op["saved"],
+                            time_s=op["time_s"] * times[i] / op_time_total) for op in trace.ops)
+        blocks.append(BlockCosts(name=f"{i}:{names[i]}", input_bytes=trace.input_bytes,
+                                 output_bytes=trace.output_bytes, saved_bytes=saved[i], forward_time_s=times[i],
+                                 forward_peak_bytes=forward, backward_peak_bytes=backward,
+                                 recompute_peak_bytes=recompute, ops=ops))
+    return ChainCosts(fixed_bytes=fixed, head_bytes=head, blocks=tuple(blocks), step_time_s=step_time_s)
