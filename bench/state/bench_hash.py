@@ -37,7 +37,7 @@ def _available_algorithms() -> list[str]:
         try:
             hash_bytes(b"x", name)
             names.append(name)
-        except ImportError:
+        except ValueError:  # an optional library (xxhash) is missing
             pass
     return names
 

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from torchckpt._units import parse_bytes
+from torchckpt.remat.checkpoint import CheckpointError, RecomputationMismatchError
 from torchckpt.remat.revolve import Action, CheckpointPlanner
 
 __all__ = ["LoopStats", "checkpointed_loop", "checkpointed_while"]
@@ -177,7 +179,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 # --------------------------------------------------------------------------- checkpoint count
 
 
-def _resolve_checkpoints(checkpoints: int | None, budget_bytes: int | None, carry_bytes: int) -> int:
+def _resolve_checkpoints(checkpoints: int | None, budget_bytes: int | str | None, carry_bytes: int) -> int:
     """The number of carries to store, from a count or from a byte budget (rule: exactly one given)."""
     if (checkpoints is None) == (budget_bytes is None):
         raise ValueError(
@@ -187,15 +189,15 @@ def _resolve_checkpoints(checkpoints: int | None, budget_bytes: int | None, carr
     if checkpoints is not None:
         _check_count("checkpoints", checkpoints)
         return checkpoints
-    _check_count("budget_bytes", budget_bytes)
     assert budget_bytes is not None
-    if budget_bytes < 2 * carry_bytes:
+    budget = parse_bytes(budget_bytes, option="budget_bytes")
+    if budget < 2 * carry_bytes:
         raise ValueError(
-            f"budget_bytes={budget_bytes} is smaller than two carries (2 x {carry_bytes} bytes): the budget "
+            f"budget_bytes={budget_bytes!r} is smaller than two carries (2 x {carry_bytes} bytes): the budget "
             f"must hold the live carry and at least one stored carry (x_0). Raise it to at least "
             f"{2 * carry_bytes}, or pass checkpoints=1."
         )
-    return budget_bytes // carry_bytes - 1
+    return budget // carry_bytes - 1
 
 
 def _check_count(name: str, value: Any) -> None:
@@ -316,7 +318,7 @@ class _LoopRunner:
         snapshot = self.store[index]
         for path, leaf, version in zip(self.layout.paths, snapshot.leaves, snapshot.versions):
             if leaf._version != version:
-                raise RuntimeError(
+                raise CheckpointError(
                     f"{path} (the carry after step {index}) was modified in place after it was stored "
                     f"(version {version} -> {leaf._version}). step_fn must not modify its input carry in "
                     f"place: write h = h + x, not h += x."
@@ -351,7 +353,7 @@ class _LoopRunner:
         if slot.tensor is not None:
             return slot.tensor
         if torch.is_grad_enabled():  # autograd runs backward with grad mode on only for create_graph=True
-            raise RuntimeError(
+            raise CheckpointError(
                 f"backward through step {slot.step} of a checkpointed loop was called with create_graph=True; "
                 f"higher-order gradients are not supported, because recomputed tensors are detached from the "
                 f"graph. Use a plain loop (or torch.utils.checkpoint) where you need double backward."
@@ -363,7 +365,7 @@ class _LoopRunner:
         self.recomputed[1][slot.index] = None  # autograd owns it now; a second unpack recomputes
         assert tensor is not None
         if tensor.shape != slot.shape:
-            raise RuntimeError(
+            raise RecomputationMismatchError(
                 f"recomputing step {slot.step} gave saved tensor #{slot.index} the shape {tuple(tensor.shape)}, "
                 f"but the forward pass saved shape {tuple(slot.shape)}. step_fn must compute the same thing "
                 f"from the same carry; does it depend on Python state that changes between calls?"
@@ -401,7 +403,7 @@ class _LoopRunner:
             self.layout.leaves_of(self.step_fn(self.layout.build(inputs)), step)
         expected = self.saved_counts[step - 1]
         if len(recorded) != expected:
-            raise RuntimeError(
+            raise RecomputationMismatchError(
                 f"recomputing step {step} saved {len(recorded)} tensors for backward, but the forward pass "
                 f"saved {expected}. step_fn must be deterministic given its carry and the RNG state; does it "
                 f"branch on Python state that changes between calls (a counter, a global flag)?"
@@ -414,7 +416,7 @@ class _LoopRunner:
 
 
 def _prepare(
-    carry: Carry, checkpoints: int | None, budget_bytes: int | None, stats: LoopStats | None
+    carry: Carry, checkpoints: int | None, budget_bytes: int | str | None, stats: LoopStats | None
 ) -> tuple[_CarryLayout, list[torch.Tensor], int, LoopStats]:
     layout, leaves = _CarryLayout.of(carry)
     count = _resolve_checkpoints(checkpoints, budget_bytes, layout.nbytes)
@@ -429,7 +431,7 @@ def checkpointed_loop(
     *,
     steps: int,
     checkpoints: int | None = None,
-    budget_bytes: int | None = None,
+    budget_bytes: int | str | None = None,
     preserve_rng_state: bool = True,
     stats: LoopStats | None = None,
 ) -> Carry:
@@ -446,8 +448,8 @@ def checkpointed_loop(
         carry: a tensor or nested tuples / lists / dicts / namedtuples of tensors.
         steps: number of steps (>= 1).
         checkpoints: carries stored at most, x_0 included (>= 1; 1 means recompute from x_0 each time).
-        budget_bytes: instead of ``checkpoints``, bytes for the stored carries plus the live one; the
-            count is ``budget_bytes // carry_bytes - 1`` and must be >= 1. Activations of the step
+        budget_bytes: instead of ``checkpoints``, bytes (an int, or a size such as ``"64MiB"``) for the
+            stored carries plus the live one; the count is ``budget_bytes // carry_bytes - 1``, >= 1. Activations of the step
             being differentiated come on top.
         preserve_rng_state: store the RNG state with each checkpoint so recomputation is bit-identical.
         stats: a ``LoopStats`` to fill in (evaluation count and the actions run).
@@ -489,7 +491,7 @@ def checkpointed_while(
     *,
     max_steps: int,
     checkpoints: int | None = None,
-    budget_bytes: int | None = None,
+    budget_bytes: int | str | None = None,
     preserve_rng_state: bool = True,
     stats: LoopStats | None = None,
 ) -> Carry:

@@ -77,8 +77,10 @@ def _hashlib_hex(name: str) -> Callable[[bytes | memoryview], str]:
 
 
 def _xxh3_hex(data: bytes | memoryview) -> str:
-    import xxhash  # optional; only when the user asked for it
-
+    try:
+        import xxhash  # optional; only when the user asked for it
+    except ImportError:
+        raise ValueError("hash algorithm 'xxh3_128' needs the xxhash package. Fix: pip install xxhash") from None
     return xxhash.xxh3_128_hexdigest(data)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from torchckpt.state.capture import RESERVED_ITEM_NAMES
 from torchckpt.state.errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, UnsafeFileError
 from torchckpt.state.reader import read_newest_valid
 from torchckpt.state.storage import open_storage
@@ -104,8 +105,8 @@ def _item_name(key: str) -> str | None:
     for canonical, aliases in (("model", _MODEL_KEYS), ("optimizer", _OPTIMIZER_KEYS), ("scheduler", _SCHEDULER_KEYS)):
         if key in aliases:
             return canonical
-    cleaned = re.sub(r"[^A-Za-z0-9_]", "_", key)
-    return cleaned if re.match(r"^[A-Za-z_]", cleaned) and cleaned not in ("state", "manifest", "metrics", "rng", "step") else None
+    cleaned = re.sub(r"[^A-Za-z0-9_]", "_", key)[:100]
+    return cleaned if re.match(r"^[A-Za-z_]", cleaned) and cleaned not in RESERVED_ITEM_NAMES else None
 
 
 def import_torch_save(path: str | os.PathLike[str], directory: str | os.PathLike[str], step: int | None = None) -> int:
