@@ -449,8 +449,8 @@ def checkpointed_loop(
         steps: number of steps (>= 1).
         checkpoints: carries stored at most, x_0 included (>= 1; 1 means recompute from x_0 each time).
         budget_bytes: instead of ``checkpoints``, bytes (an int, or a size such as ``"64MiB"``) for the
-            stored carries plus the live one; the count is ``budget_bytes // carry_bytes - 1``, >= 1. Activations of the step
-            being differentiated come on top.
+            stored carries plus the live one; the count is ``budget_bytes // carry_bytes - 1``, >= 1.
+            Activations of the step being differentiated come on top.
         preserve_rng_state: store the RNG state with each checkpoint so recomputation is bit-identical.
         stats: a ``LoopStats`` to fill in (evaluation count and the actions run).
 

@@ -121,6 +121,8 @@ class _BlockTrace:
     forward_peak: int = 0
     backward_peak: int | None = None
     calls: int = 0
+    input_id: int = 0
+    output_id: int = 0
     ops: list[dict] = field(default_factory=list)
 
 
@@ -195,6 +197,7 @@ class _Probe:
             trace.calls += 1
             x = _first_tensor((args, kwargs))
             trace.input_bytes = _nbytes(x)
+            trace.input_id = id(x)
             trace.before_forward = self.meter.current_bytes
             self.meter.reset_peak()
             if x is not None and x.requires_grad:
@@ -212,6 +215,7 @@ class _Probe:
                 TAG_STATE.active_regions -= 1
             y = _first_tensor(output)
             trace.output_bytes = _nbytes(y)
+            trace.output_id = id(y)
             trace.forward_peak = self.meter.peak_bytes
             trace.after_forward = self.meter.current_bytes
             if y is not None and y.requires_grad:
@@ -387,4 +391,7 @@ def _assemble(plain: _Probe, recomputed: _Probe, times: list[float], step_time_s
                                  output_bytes=trace.output_bytes, saved_bytes=saved[i], forward_time_s=times[i],
                                  forward_peak_bytes=forward, backward_peak_bytes=backward,
                                  recompute_peak_bytes=recompute, ops=ops))
-    return ChainCosts(fixed_bytes=fixed, head_bytes=head, blocks=tuple(blocks), step_time_s=step_time_s)
+    # Regions need the blocks to be called as a chain: each block's first input is the previous output.
+    chain = all(traces[k + 1].input_id == traces[k].output_id for k in range(n - 1))
+    return ChainCosts(fixed_bytes=fixed, head_bytes=head, blocks=tuple(blocks), step_time_s=step_time_s,
+                      notes={"chain": "yes" if chain else "no"})
