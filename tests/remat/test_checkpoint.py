@@ -138,6 +138,17 @@ def test_kept_value_modified_in_place_is_recomputed() -> None:
     _assert_bitwise(_grads(linear, x), expected)
 
 
+def test_retain_graph_second_backward_recomputes_served_values() -> None:
+    """Rule 7: kept outputs are handed over once; a second backward recomputes them, same gradients."""
+    block, x = _block(dropout=0.3), torch.randn(8, 16, requires_grad=True)
+    torch.manual_seed(2)
+    out = checkpoint(block, x, policy="dots_saveable")
+    out.sum().backward(retain_graph=True)
+    first = _grads(block, x)
+    out.sum().backward()
+    _assert_bitwise(_grads(block, x), first)
+
+
 @pytest.mark.parametrize("segments", [1, 2, 3, 6])
 def test_checkpoint_sequential_matches_plain(segments: int) -> None:
     torch.manual_seed(0)

@@ -129,12 +129,12 @@ def big_step(model, optimizer) -> None:
     optimizer.step()
 
 
-def kill_writer(run_dir: str) -> None:
+def kill_writer(run_dir: str, async_save: bool) -> None:
     """Train and save every step until killed (runs in a forked child)."""
     from torchckpt.state import Checkpointer
 
     model, optimizer = build_big()
-    ckpt = Checkpointer(run_dir, keep_last=2)
+    ckpt = Checkpointer(run_dir, keep_last=2, async_save=async_save)
     for step in range(1, 10_000):
         big_step(model, optimizer)
         ckpt.save(step, model=model, optimizer=optimizer, metrics={"step": step})
@@ -177,11 +177,11 @@ def zygote() -> None:
     shutil.rmtree(warm_dir)
     print("zygote-ready", flush=True)
     for line in sys.stdin:
-        run_dir = line.strip()
+        run_dir, mode = line.split()
         pid = os.fork()
         if pid == 0:
             try:
-                kill_writer(run_dir)
+                kill_writer(run_dir, async_save=mode == "async")
             finally:
                 os._exit(3)
         print(f"pid {pid}", flush=True)
@@ -226,7 +226,8 @@ def _worker_env() -> dict[str, str]:
 
 
 def run_kill_trials(base_dir: str, trials: int, seed: int, max_delay_s: float = 0.5) -> list[dict[str, Any]]:
-    """Kill -9 ``trials`` writers at random moments, then verify every run dir in a fresh process.
+    """Kill -9 ``trials`` writers (odd trials with async saves) at random moments, then verify
+    every run dir in a fresh process.
 
     Writers are forked from one zygote process that imported torch once, so a trial
     costs its random delay, not an interpreter start-up. Each writer is a real
@@ -247,7 +248,8 @@ def run_kill_trials(base_dir: str, trials: int, seed: int, max_delay_s: float = 
         for trial in range(trials):
             run_dir = os.path.join(base_dir, f"trial-{trial:04d}")
             run_dirs.append(run_dir)
-            zygote_proc.stdin.write(run_dir + "\n")
+            mode = "async" if trial % 2 else "sync"  # half the writers save in the background
+            zygote_proc.stdin.write(f"{run_dir} {mode}\n")
             zygote_proc.stdin.flush()
             pid = int(zygote_proc.stdout.readline().split()[1])
             time.sleep(rng.uniform(0.02, max_delay_s))

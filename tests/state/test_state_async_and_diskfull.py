@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 import torch
-from conftest import tiny_model
+from state_helpers import tiny_model
 from state_workers import bitwise_equal
 
 import torchckpt.state.storage as storage_module

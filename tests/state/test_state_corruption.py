@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from cli_helpers import run_cli
-from conftest import tiny_model, trained
+from state_helpers import tiny_model, trained
 from state_workers import bitwise_equal
 
 from torchckpt.state import (

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 import torch
-from conftest import tiny_model
+from state_helpers import tiny_model
 from state_workers import bitwise_equal
 
 from torchckpt.state import Checkpointer, CheckpointLockedError, verify_checkpoint

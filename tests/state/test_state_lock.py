@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import worker_env
+from state_helpers import worker_env
 
 from torchckpt.state import Checkpointer, CheckpointLockedError
 

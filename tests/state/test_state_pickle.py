@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from cli_helpers import run_cli
-from conftest import tiny_model
+from state_helpers import tiny_model
 
 from torchckpt.state import CheckpointCorruptError, Checkpointer, UnsafeFileError, import_torch_save
 from torchckpt.state.format import canonical_json, hash_bytes

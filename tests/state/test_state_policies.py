@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from conftest import tiny_model
+from state_helpers import tiny_model
 
 from torchckpt.state import Checkpointer, CheckpointerConfig
 

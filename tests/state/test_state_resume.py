@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from conftest import WORKERS, run_worker, worker_env
+from state_helpers import WORKERS, run_worker, worker_env
 
 TOTAL_STEPS = 40
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import tiny_model
+from state_helpers import tiny_model
 
 from torchckpt.state import Checkpointer, RetentionPolicy
 from torchckpt.state.retention import steps_to_keep

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model, trained
+from state_helpers import tiny_model, trained
 from state_workers import bitwise_equal
 from torchdata.stateful_dataloader import StatefulDataLoader
 

@@ -7,6 +7,7 @@ input is unusable; ``verify`` exits with 1 when a checkpoint is corrupt.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -104,7 +105,8 @@ def _run_ls(args: argparse.Namespace) -> int:
     for info in infos:
         metrics = " ".join(f"{k}={v:.6g}" for k, v in info.metrics.items())
         table.add_row(str(info.step), _format_time(info.created_unix_s), format_bytes(info.size_bytes), metrics, _valid_text(info))
-    Console(file=sys.stdout, width=160).print(table)
+    width = shutil.get_terminal_size(fallback=(160, 24)).columns
+    Console(file=sys.stdout, width=max(width, 100)).print(table)
     return 0
 
 

@@ -25,6 +25,9 @@ Design rules (numbered so code and tests can point at them):
    the enclosing checkpoint; the enclosing region recomputes the inner one anyway. Inputs of the
    inner region are saved through autograd by PyTorch, so the enclosing region holds only its own
    inputs, as nesting promises.
+7. A kept output is handed over once: recomputation takes it out of the cache, so autograd frees it
+   as the backward pass goes, exactly like a tensor it saved itself. A second backward through the
+   same graph (``retain_graph=True``) recomputes it instead.
 """
 
 from __future__ import annotations
@@ -109,7 +112,12 @@ class _Region:
                     self.cache.pop(index, None)
 
     def serve(self, index: int) -> Any:
-        spec, flat = self.cache[index]
+        """Hand a kept output to recomputation and drop the cache's reference (rule 7)."""
+        spec, flat = self.cache.pop(index)
+        for value in flat:
+            indices = self.cache_storages.get(_storage_key(value))
+            if indices is not None:
+                indices.discard(index)
         return tree_unflatten([v.detach() for v in flat], spec)
 
 

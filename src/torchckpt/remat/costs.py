@@ -21,7 +21,10 @@ The peak model the solver evaluates (numbered so that solver, profiler and tests
    pieces of the same chain, the backward of block ``i`` peaks at
    ``C + H + x_i + saved_bytes_i + backward_peak_bytes_i (+ recompute_peak_bytes_i if checkpointed)
    (+ y_i unless i is the chain's last block, whose incoming gradient is already in C)``.
-   A region's inside is evaluated as a chain with ``C' = C + H (+ y_last unless the region is last)``.
+   A region's inside is evaluated as a chain with
+   ``C' = C + H + region_recompute_bytes (+ y_last unless the region is last)``, where
+   ``region_recompute_bytes`` (a ChainCosts field) is what recomputing a region keeps alive beyond its
+   blocks' own costs, measured by the profiler on a region spanning the whole chain.
 6. The forward pass of block ``i`` peaks at ``C + H + x_i + forward_peak_bytes_i``.
 7. The predicted peak is the maximum of 4, 5 and 6 over the plan; extra time is the sum of recompute
    times: a checkpointed block's option time, a region's forward time plus its inside's extra time.
@@ -97,12 +100,13 @@ class ChainCosts:
     fixed_bytes: int
     head_bytes: int
     blocks: tuple[BlockCosts, ...]
+    region_recompute_bytes: int = 0
     step_time_s: float = 0.0
     notes: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_non_negative("ChainCosts", fixed_bytes=self.fixed_bytes, head_bytes=self.head_bytes,
-                            step_time_s=self.step_time_s)
+                            region_recompute_bytes=self.region_recompute_bytes, step_time_s=self.step_time_s)
         blocks = tuple(b if isinstance(b, BlockCosts) else BlockCosts(**b) for b in self.blocks)
         if not blocks:
             raise ValueError("ChainCosts.blocks is empty: a cost model needs at least one block")

@@ -25,7 +25,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from torchckpt.memory import MemoryMeter
-from torchckpt.remat.apply import checkpoint_modules
+from torchckpt.remat.apply import CheckpointHandle, _wrap_region, checkpoint_modules
 from torchckpt.remat.blocks import find_blocks, structure_key
 from torchckpt.remat.costs import BlockCosts, ChainCosts, OpCosts
 from torchckpt.remat.policies import TAG_STATE, _op_name
@@ -149,6 +149,11 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         elapsed = time.perf_counter() - start
         index = len(block.ops)
+        if func._schema.is_mutable:  # a value written in place is never served from a cache (executor rule 5)
+            for arg in tree_flatten((args, kwargs))[0]:
+                owner = self._created.get(id(arg.untyped_storage())) if isinstance(arg, torch.Tensor) else None
+                if owner is not None and owner[0] is block:
+                    block.ops[owner[1]]["mutated"] = True
         new_bytes = 0
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
@@ -348,7 +353,35 @@ def profile(
         recomputed = _measure_step(runner, block_list, record_ops=False)
     runner.clear_grads()
     times = _block_times(block_list, runner, repeats)
-    return _assemble(plain, recomputed, times, step_time_s, [type(b).__name__ for b in block_list])
+    costs = _assemble(plain, recomputed, times, step_time_s, [type(b).__name__ for b in block_list])
+    if costs.notes["chain"] == "yes" and len(block_list) > 1:
+        costs = replace(costs, region_recompute_bytes=_region_residue(runner, block_list, costs))
+    return costs
+
+
+def _region_residue(runner: StepRunner, blocks: list[nn.Module], costs: ChainCosts) -> int:
+    """Run one step with the whole chain as one region (blocks plain inside); return the measured peak
+    above what rules 4-6 of costs.py predict for that schedule without ``region_recompute_bytes``."""
+    wrapped: list[nn.Module] = []
+    _wrap_region({"region": [0, len(blocks)], "inner": [{"block": i, "plain": True} for i in range(len(blocks))]},
+                 blocks, wrapped)
+    try:
+        runner.clear_grads()
+        with MemoryMeter() as meter:
+            runner.forward_backward()
+    finally:
+        CheckpointHandle(wrapped).remove()
+        runner.clear_grads()
+    chain = costs.blocks
+    context = costs.fixed_bytes + chain[-1].output_bytes
+    predicted = costs.fixed_bytes + chain[0].input_bytes + costs.head_bytes
+    held = 0
+    for i, block in enumerate(chain):
+        incoming = 0 if i == len(chain) - 1 else block.output_bytes
+        predicted = max(predicted, context + held + block.input_bytes + block.forward_peak_bytes,
+                        context + held + block.input_bytes + block.saved_bytes + block.backward_peak_bytes + incoming)
+        held += block.input_bytes + block.saved_bytes
+    return max(0, meter.peak_bytes - predicted)
 
 
 def _resolve_blocks(model: nn.Module, blocks: str | Sequence[nn.Module]) -> list[nn.Module]:
@@ -385,7 +418,8 @@ def _assemble(plain: _Probe, recomputed: _Probe, times: list[float], step_time_s
         ckpt_base = fixed + last_output + ckpt_held + trace.input_bytes + saved[i] + incoming + backward
         recompute = max(0, (ckpt_trace.backward_peak or 0) - ckpt_base)
         op_time_total = sum(op["time_s"] for op in trace.ops) or 1.0
-        ops = tuple(OpCosts(index=op["index"], name=op["name"], output_bytes=op["output_bytes"], saved=op["saved"],
+        ops = tuple(OpCosts(index=op["index"], name=op["name"], output_bytes=op["output_bytes"],
+                            saved=op["saved"] and not op.get("mutated", False),
                             time_s=op["time_s"] * times[i] / op_time_total) for op in trace.ops)
         blocks.append(BlockCosts(name=f"{i}:{names[i]}", input_bytes=trace.input_bytes,
                                  output_bytes=trace.output_bytes, saved_bytes=saved[i], forward_time_s=times[i],

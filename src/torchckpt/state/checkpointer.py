@@ -100,13 +100,14 @@ class Checkpointer:
 
     Example:
         >>> import tempfile, torch
-        >>> model = torch.nn.Linear(2, 2)
-        >>> with Checkpointer(tempfile.mkdtemp(), keep_last=2) as ckpt:
+        >>> model, tmp = torch.nn.Linear(2, 2), tempfile.TemporaryDirectory()
+        >>> with Checkpointer(tmp.name, keep_last=2) as ckpt:
         ...     ckpt.restore(model=model) is None
         ...     ckpt.save(1, model=model, metrics={"loss": 0.5})
         ...     [info.step for info in ckpt.list()]
         True
         [1]
+        >>> tmp.cleanup()
     """
 
     def __init__(self, directory: str | os.PathLike[str], config: CheckpointerConfig | None = None, **options: Any) -> None:
@@ -154,8 +155,8 @@ class Checkpointer:
 
         Example:
             >>> import tempfile, torch
-            >>> ckpt = Checkpointer(tempfile.mkdtemp())
-            >>> ckpt.save(10, model=torch.nn.Linear(2, 2), extras={"epoch": 1}); ckpt.close()
+            >>> tmp = tempfile.TemporaryDirectory(); ckpt = Checkpointer(tmp.name)
+            >>> ckpt.save(10, model=torch.nn.Linear(2, 2), extras={"epoch": 1}); ckpt.close(); tmp.cleanup()
         """
         self._check_open()
         self.wait()  # rule 3
@@ -177,10 +178,10 @@ class Checkpointer:
 
         Example:
             >>> import tempfile, torch
-            >>> ckpt = Checkpointer(tempfile.mkdtemp(), save_every_steps=2)
+            >>> tmp = tempfile.TemporaryDirectory(); ckpt = Checkpointer(tmp.name, save_every_steps=2)
             >>> [ckpt.maybe_save(s, model=torch.nn.Linear(2, 2)) for s in (1, 2, 3)]
             [False, True, False]
-            >>> ckpt.close()
+            >>> ckpt.close(); tmp.cleanup()
         """
         self._check_open()
         if self.preemption_requested:
@@ -268,7 +269,8 @@ class Checkpointer:
 
         Example:
             >>> import tempfile
-            >>> Checkpointer(tempfile.mkdtemp(), async_save=True).wait()
+            >>> tmp = tempfile.TemporaryDirectory(); ckpt = Checkpointer(tmp.name, async_save=True)
+            >>> ckpt.wait(); ckpt.close(); tmp.cleanup()
         """
         inflight, self._inflight = self._inflight, None
         if inflight is None:
@@ -297,10 +299,10 @@ class Checkpointer:
 
         Example:
             >>> import tempfile, torch
-            >>> ckpt = Checkpointer(tempfile.mkdtemp())
+            >>> tmp = tempfile.TemporaryDirectory(); ckpt = Checkpointer(tmp.name)
             >>> ckpt.restore(model=torch.nn.Linear(2, 2)) is None
             True
-            >>> ckpt.close()
+            >>> ckpt.close(); tmp.cleanup()
         """
         self._check_open()
         self.wait()
@@ -343,8 +345,10 @@ class Checkpointer:
 
         Example:
             >>> import tempfile
-            >>> ckpt = Checkpointer(tempfile.mkdtemp()); ckpt.list(); ckpt.close()
+            >>> tmp = tempfile.TemporaryDirectory(); ckpt = Checkpointer(tmp.name)
+            >>> ckpt.list()
             []
+            >>> ckpt.close(); tmp.cleanup()
         """
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify={verify!r}: expected one of {VERIFY_MODES}")
@@ -355,8 +359,10 @@ class Checkpointer:
 
         Example:
             >>> import tempfile
-            >>> ckpt = Checkpointer(tempfile.mkdtemp()); print(ckpt.latest_step()); ckpt.close()
+            >>> tmp = tempfile.TemporaryDirectory(); ckpt = Checkpointer(tmp.name)
+            >>> print(ckpt.latest_step())
             None
+            >>> ckpt.close(); tmp.cleanup()
         """
         valid = [info.step for info in self.list("fast") if info.valid]
         return max(valid) if valid else None
@@ -366,7 +372,8 @@ class Checkpointer:
 
         Example:
             >>> import tempfile
-            >>> ckpt = Checkpointer(tempfile.mkdtemp()); ckpt.close(); ckpt.close()
+            >>> tmp = tempfile.TemporaryDirectory(); ckpt = Checkpointer(tmp.name)
+            >>> ckpt.close(); ckpt.close(); tmp.cleanup()
         """
         if self._closed:
             return

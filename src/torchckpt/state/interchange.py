@@ -119,10 +119,11 @@ def import_torch_save(path: str | os.PathLike[str], directory: str | os.PathLike
 
     Example:
         >>> import tempfile
-        >>> src = os.path.join(tempfile.mkdtemp(), "old.pt")
+        >>> tmp = tempfile.TemporaryDirectory(); src = os.path.join(tmp.name, "old.pt")
         >>> torch.save({"model": torch.nn.Linear(2, 2).state_dict(), "step": 5}, src)
-        >>> import_torch_save(src, tempfile.mkdtemp())
+        >>> import_torch_save(src, os.path.join(tmp.name, "run"))
         5
+        >>> tmp.cleanup()
     """
     from torchckpt.state.checkpointer import Checkpointer  # imported late: checkpointer imports this package
 
@@ -149,11 +150,12 @@ def export_model_weights(
     Example:
         >>> import tempfile
         >>> from torchckpt.state.checkpointer import Checkpointer
-        >>> run = tempfile.mkdtemp()
+        >>> tmp = tempfile.TemporaryDirectory(); run = tmp.name
         >>> with Checkpointer(run) as ckpt:
         ...     ckpt.save(3, model=torch.nn.Linear(2, 2))
         >>> export_model_weights(run, os.path.join(run, "w.safetensors"))
         3
+        >>> tmp.cleanup()
     """
     storage = open_storage(directory)
     snapshot = read_newest_valid(storage, step=step, verify="full", fallback=True, wanted={item})
