@@ -9,6 +9,8 @@ Public API (everything else is private and may change):
     save_only_these_names, save_anything_except_these_names, save_from_both_policies, save_ops, tag
                                      JAX-style save policies
     saved_residuals                  what a call keeps for backward under a policy
+    checkpointed_loop, checkpointed_while
+                                     binomial (Revolve) checkpointing of long loops
     models                           built-in GPT, U-Net and MLP (``torchckpt.models``)
 """
 
@@ -24,6 +26,8 @@ from torchckpt.remat import (
     checkpoint,
     checkpoint_modules,
     checkpoint_sequential,
+    checkpointed_loop,
+    checkpointed_while,
     dots_saveable,
     dots_with_no_batch_dims_saveable,
     everything_saveable,
@@ -59,4 +63,6 @@ __all__ = [
     "save_ops",
     "tag",
     "saved_residuals",
+    "checkpointed_loop",
+    "checkpointed_while",
 ]

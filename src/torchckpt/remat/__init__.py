@@ -2,7 +2,9 @@
 
 from torchckpt.remat.apply import CheckpointHandle, checkpoint_modules
 from torchckpt.remat.checkpoint import CheckpointError, RecomputationMismatchError, checkpoint, checkpoint_sequential
+from torchckpt.remat.loop import LoopStats, checkpointed_loop, checkpointed_while
 from torchckpt.remat.residuals import Residual, SavedResiduals, saved_residuals
+from torchckpt.remat.revolve import online_schedule, optimal_step_evaluations, revolve_schedule
 from torchckpt.remat.policies import (
     PolicyLike,
     POLICIES,
@@ -40,6 +42,12 @@ __all__ = [
     "save_ops",
     "tag",
     "saved_residuals",
+    "checkpointed_loop",
+    "checkpointed_while",
+    "LoopStats",
+    "revolve_schedule",
+    "online_schedule",
+    "optimal_step_evaluations",
     "SavedResiduals",
     "Residual",
 ]

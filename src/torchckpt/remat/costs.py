@@ -20,12 +20,18 @@ The peak model the solver evaluates (numbered so that solver, profiler and tests
    ``fixed_bytes + y_{n-1}``, the gradient arriving from the head) and ``H`` the bytes held by earlier
    pieces of the same chain, the backward of block ``i`` peaks at
    ``C + H + x_i + saved_bytes_i + backward_peak_bytes_i (+ recompute_peak_bytes_i if checkpointed)
-   (+ y_i unless i is the chain's last block, whose incoming gradient is already in C)``.
-   A region's inside is evaluated as a chain with
-   ``C' = C + H + region_recompute_bytes (+ y_last unless the region is last)``, where
+   (+ y_i unless i is block n-1, whose incoming gradient is already in C)``.
+   A region's inside is evaluated as a chain with ``C' = C + H + region_recompute_bytes``, where
    ``region_recompute_bytes`` (a ChainCosts field) is what recomputing a region keeps alive beyond its
-   blocks' own costs, measured by the profiler on a region spanning the whole chain.
-6. The forward pass of block ``i`` peaks at ``C + H + x_i + forward_peak_bytes_i``.
+   blocks' own costs, measured by the profiler on a region spanning the whole chain. (The gradient
+   arriving at a region is counted once, by its last block as ``y_i``: it is freed after that block's
+   backward, so it is not part of ``C'``.)
+6. The forward pass of a piece peaks at ``C + H + g + x_i + forward_peak_bytes_i`` for a single block
+   ``i``; a region runs its blocks holding only its first input, so it peaks at the largest over its
+   blocks ``j`` of ``C + H + g + x_j + forward_peak_bytes_j (+ x_first if j is not the first)``. ``g``
+   is the gradient live meanwhile: 0 for pieces of the top-level chain (the model's forward pass); for
+   pieces inside a region, which run again when the backward pass reaches it, the gradient of the
+   region's output, ``y`` of its last block unless that block is n-1 (that gradient is in C).
 7. The predicted peak is the maximum of 4, 5 and 6 over the plan; extra time is the sum of recompute
    times: a checkpointed block's option time, a region's forward time plus its inside's extra time.
 """
