@@ -1,0 +1,72 @@
+"""The cost model flattened for the solver: per-block byte terms of rules 3, 5 and 6 of costs.py.
+
+Every bound the evaluator checks and the dynamic programs discretise is built here, once, so the
+three cannot disagree. Bytes are relative to the context ``C`` of the chain a piece sits in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchckpt.remat.costs import ChainCosts
+from torchckpt.remat.solve._types import MenuOption
+from torchckpt.remat.solve.menu import block_menu
+
+
+@dataclass(frozen=True)
+class Chain:
+    costs: ChainCosts
+    menus: tuple[tuple[MenuOption, ...], ...]
+
+    @classmethod
+    def of(cls, costs: ChainCosts) -> Chain:
+        if not isinstance(costs, ChainCosts):
+            raise TypeError(f"costs must be a ChainCosts (torchckpt.remat.costs); got {type(costs).__name__}")
+        cache: dict = {}
+        menus = []
+        for block in costs.blocks:
+            if block not in cache:
+                cache[block] = block_menu(block)
+            menus.append(cache[block])
+        return cls(costs=costs, menus=tuple(menus))
+
+    @property
+    def n(self) -> int:
+        return len(self.costs.blocks)
+
+    @property
+    def top_context_bytes(self) -> int:
+        """``C`` of the top-level chain (rule 5): fixed bytes and the gradient arriving from the head."""
+        return self.costs.fixed_bytes + self.costs.blocks[-1].output_bytes
+
+    def gradient_inside(self, stop: int) -> int:
+        """``g`` of rule 6 for pieces inside a region ending before ``stop``: its output's gradient."""
+        return self.costs.blocks[stop - 1].output_bytes if stop < self.n else 0
+
+    def held_bytes(self, block: int, option: MenuOption) -> int:
+        """Rule 3: a single block holds its input plus what its option keeps."""
+        return self.costs.blocks[block].input_bytes + option.held_bytes
+
+    def single_need_bytes(self, block: int, option: MenuOption, gradient: int) -> int:
+        """Rules 5 and 6 for one block above ``C + H``: the larger of its forward and backward peaks."""
+        b = self.costs.blocks[block]
+        forward = b.input_bytes + b.forward_peak_bytes + gradient
+        incoming = b.output_bytes if block != self.n - 1 else 0
+        recompute = 0 if option.plain else b.recompute_peak_bytes
+        backward = b.input_bytes + b.saved_bytes + b.backward_peak_bytes + recompute + incoming
+        return max(forward, backward)
+
+    def region_forward_bytes(self, start: int, stop: int) -> int:
+        """Rule 6 for a region above ``C + H + g``: its blocks run holding only the first input."""
+        blocks = self.costs.blocks
+        first = blocks[start].input_bytes + blocks[start].forward_peak_bytes
+        rest = (blocks[start].input_bytes + blocks[j].input_bytes + blocks[j].forward_peak_bytes
+                for j in range(start + 1, stop))
+        return max(first, *rest) if stop - start > 1 else first
+
+    def region_time_s(self, start: int, stop: int) -> float:
+        """The region's recomputed forward time (summed left to right, as the solver does)."""
+        total = 0.0
+        for j in range(start, stop):
+            total = total + self.costs.blocks[j].forward_time_s
+        return total
