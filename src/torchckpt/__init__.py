@@ -12,17 +12,39 @@ Public API (everything else is private and may change):
     checkpointed_loop, checkpointed_while
                                      binomial (Revolve) checkpointing of long loops
     models                           built-in GPT, U-Net and MLP (``torchckpt.models``)
+    Checkpointer, list_checkpoints, verify_checkpoint, export_model_weights, import_torch_save
+                                     crash-proof, pickle-free training-state checkpoints (``torchckpt.state``)
 """
 
-from torchckpt import models
+from torchckpt import models, state
 from torchckpt._version import __version__
 from torchckpt.memory import MemoryBreakdown, MemoryMeter
-from torchckpt.remat import (
+from torchckpt.state import (
+    CheckpointCorruptError,
     CheckpointError,
+    CheckpointExistsError,
+    CheckpointFallbackWarning,
+    CheckpointInfo,
+    CheckpointLockedError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    Checkpointer,
+    CheckpointerConfig,
+    CheckpointWriteError,
+    RetentionPolicy,
+    UnsafeFileError,
+    UnsupportedStateError,
+    export_model_weights,
+    import_torch_save,
+    list_checkpoints,
+    verify_checkpoint,
+)
+from torchckpt.remat import (
     CheckpointHandle,
     OpInfo,
     Policy,
     RecomputationMismatchError,
+    RematError,
     checkpoint,
     checkpoint_modules,
     checkpoint_sequential,
@@ -49,8 +71,8 @@ __all__ = [
     "checkpoint_sequential",
     "checkpoint_modules",
     "CheckpointHandle",
-    "CheckpointError",
     "RecomputationMismatchError",
+    "RematError",
     "OpInfo",
     "Policy",
     "nothing_saveable",
@@ -65,4 +87,23 @@ __all__ = [
     "saved_residuals",
     "checkpointed_loop",
     "checkpointed_while",
+    "state",
+    "Checkpointer",
+    "CheckpointerConfig",
+    "CheckpointInfo",
+    "RetentionPolicy",
+    "list_checkpoints",
+    "verify_checkpoint",
+    "export_model_weights",
+    "import_torch_save",
+    "CheckpointError",
+    "CheckpointCorruptError",
+    "CheckpointLockedError",
+    "CheckpointWriteError",
+    "CheckpointExistsError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "UnsafeFileError",
+    "UnsupportedStateError",
+    "CheckpointFallbackWarning",
 ]

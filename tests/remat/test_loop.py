@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from torchckpt.memory import MemoryMeter
-from torchckpt.remat.checkpoint import CheckpointError, RecomputationMismatchError
+from torchckpt.remat.checkpoint import RematError, RecomputationMismatchError
 from torchckpt.remat.loop import LoopStats, checkpointed_loop, checkpointed_while
 from torchckpt.remat.revolve import online_schedule, optimal_step_evaluations, revolve_schedule
 
@@ -313,7 +313,7 @@ def test_in_place_update_of_a_stored_carry_is_rejected() -> None:
 
     out = checkpointed_loop(step, torch.ones(3), steps=4, checkpoints=2)
     message = r"carry \(the carry after step 1\) was modified in place after it was stored \(version 0 -> 1\)"
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(RematError, match=message):
         out.sum().backward()
 
 
@@ -374,5 +374,5 @@ def test_cuda_dropout_gradients_match_plain_loop() -> None:
 def test_double_backward_is_rejected() -> None:
     w = torch.tensor(0.5, requires_grad=True)
     out = checkpointed_loop(lambda h: torch.tanh(h * w), torch.ones(3), steps=5, checkpoints=2)
-    with pytest.raises(CheckpointError, match=r"create_graph=True; higher-order gradients are not supported"):
+    with pytest.raises(RematError, match=r"create_graph=True; higher-order gradients are not supported"):
         torch.autograd.grad(out.sum(), [w], create_graph=True)

@@ -14,7 +14,11 @@ from collections.abc import Sequence
 from torchckpt._version import __version__
 
 # Modules that contribute subcommands, in the order `--help` lists them.
-_COMMAND_MODULES: tuple[str, ...] = ("torchckpt.cli.demo",)
+_COMMAND_MODULES: tuple[str, ...] = (
+    "torchckpt.cli.demo",
+    "torchckpt.cli.plan_commands",
+    "torchckpt.cli.state_commands",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

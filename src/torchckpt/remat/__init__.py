@@ -1,7 +1,7 @@
 """Activation checkpointing: the executor, save policies and residual inspection."""
 
 from torchckpt.remat.apply import CheckpointHandle, checkpoint_modules
-from torchckpt.remat.checkpoint import CheckpointError, RecomputationMismatchError, checkpoint, checkpoint_sequential
+from torchckpt.remat.checkpoint import RematError, RecomputationMismatchError, checkpoint, checkpoint_sequential
 from torchckpt.remat.loop import LoopStats, checkpointed_loop, checkpointed_while
 from torchckpt.remat.residuals import Residual, SavedResiduals, saved_residuals
 from torchckpt.remat.revolve import online_schedule, optimal_step_evaluations, revolve_schedule
@@ -26,7 +26,7 @@ __all__ = [
     "checkpoint_sequential",
     "checkpoint_modules",
     "CheckpointHandle",
-    "CheckpointError",
+    "RematError",
     "RecomputationMismatchError",
     "POLICIES",
     "OpInfo",

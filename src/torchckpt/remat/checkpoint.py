@@ -54,7 +54,7 @@ from torchckpt.remat.policies import (
     resolve_policy,
 )
 
-__all__ = ["checkpoint", "checkpoint_sequential", "CheckpointError", "RecomputationMismatchError"]
+__all__ = ["checkpoint", "checkpoint_sequential", "RematError", "RecomputationMismatchError"]
 
 _IGNORED_OPS = frozenset({torch.ops.aten.detach.default})
 _TAG_OP = torch.ops.aten.alias.default
@@ -62,11 +62,14 @@ _DEBUG_TIP = ("Debugging tip: run the function twice on the same inputs outside 
               "anything that changes between the calls changes between forward and recomputation.")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpointed region was used in a way torchckpt cannot make correct."""
+class RematError(RuntimeError):
+    """An activation-checkpointed region was used in a way torchckpt cannot make correct.
+
+    (Errors about saved training state are ``torchckpt.CheckpointError``.)
+    """
 
 
-class RecomputationMismatchError(CheckpointError):
+class RecomputationMismatchError(RematError):
     """Recomputation of a checkpointed function did not reproduce its forward pass."""
 
 

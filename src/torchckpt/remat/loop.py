@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from torchckpt._units import parse_bytes
-from torchckpt.remat.checkpoint import CheckpointError, RecomputationMismatchError
+from torchckpt.remat.checkpoint import RematError, RecomputationMismatchError
 from torchckpt.remat.revolve import Action, CheckpointPlanner
 
 __all__ = ["LoopStats", "checkpointed_loop", "checkpointed_while"]
@@ -318,7 +318,7 @@ class _LoopRunner:
         snapshot = self.store[index]
         for path, leaf, version in zip(self.layout.paths, snapshot.leaves, snapshot.versions):
             if leaf._version != version:
-                raise CheckpointError(
+                raise RematError(
                     f"{path} (the carry after step {index}) was modified in place after it was stored "
                     f"(version {version} -> {leaf._version}). step_fn must not modify its input carry in "
                     f"place: write h = h + x, not h += x."
@@ -353,7 +353,7 @@ class _LoopRunner:
         if slot.tensor is not None:
             return slot.tensor
         if torch.is_grad_enabled():  # autograd runs backward with grad mode on only for create_graph=True
-            raise CheckpointError(
+            raise RematError(
                 f"backward through step {slot.step} of a checkpointed loop was called with create_graph=True; "
                 f"higher-order gradients are not supported, because recomputed tensors are detached from the "
                 f"graph. Use a plain loop (or torch.utils.checkpoint) where you need double backward."

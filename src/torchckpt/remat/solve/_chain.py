@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from torchckpt.remat.costs import ChainCosts
 from torchckpt.remat.solve._types import MenuOption
 from torchckpt.remat.solve.menu import block_menu
@@ -63,6 +65,18 @@ class Chain:
         rest = (blocks[start].input_bytes + blocks[j].input_bytes + blocks[j].forward_peak_bytes
                 for j in range(start + 1, stop))
         return max(first, *rest) if stop - start > 1 else first
+
+    def region_forward_table(self) -> np.ndarray:
+        """``table[s, v] = region_forward_bytes(s, v)`` for ``v >= s + 2`` (else 0), built incrementally."""
+        n, blocks = self.n, self.costs.blocks
+        table = np.zeros((n + 1, n + 1), dtype=np.int64)
+        for s in range(n):
+            running = blocks[s].input_bytes + blocks[s].forward_peak_bytes
+            for v in range(s + 2, n + 1):
+                j = v - 1
+                running = max(running, blocks[s].input_bytes + blocks[j].input_bytes + blocks[j].forward_peak_bytes)
+                table[s, v] = running
+        return table
 
     def region_time_s(self, start: int, stop: int) -> float:
         """The region's recomputed forward time (summed left to right, as the solver does)."""

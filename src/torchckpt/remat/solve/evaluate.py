@@ -105,7 +105,7 @@ def evaluate(costs: ChainCosts, schedule: Sequence[Piece]) -> tuple[int, float]:
         >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
         >>> costs = ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block, block))
         >>> evaluate(costs, (Single(0, 0), Single(1, 0)))  # all plain
-        (128, 0.0)
+        (134, 0.0)
         >>> evaluate(costs, (Region(0, 2, inner=(Single(0, 0), Single(1, 0))),))
         (128, 2.0)
     """
