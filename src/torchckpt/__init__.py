@@ -2,6 +2,9 @@
 
 Public API (everything else is private and may change):
 
+    plan, apply, verify, frontier, Plan
+                                     plan activation checkpointing against an absolute memory budget
+
     MemoryMeter                      exact live tensor bytes (CPU), allocator stats (CUDA), process RSS
     checkpoint, checkpoint_sequential, checkpoint_modules
                                      the non-reentrant executor with save policies
@@ -19,6 +22,12 @@ Public API (everything else is private and may change):
 from torchckpt import models, state
 from torchckpt._version import __version__
 from torchckpt.memory import MemoryBreakdown, MemoryMeter
+from torchckpt.remat.apply import apply_plan as apply
+from torchckpt.remat.frontier import Frontier, frontier
+from torchckpt.remat.plan import Plan, PlanMismatchError
+from torchckpt.remat.planner import plan
+from torchckpt.remat.solve import InfeasibleBudgetError
+from torchckpt.remat.verify import VerifyReport, verify
 from torchckpt.state import (
     CheckpointCorruptError,
     CheckpointError,
@@ -65,6 +74,15 @@ from torchckpt.remat import (
 __all__ = [
     "__version__",
     "models",
+    "plan",
+    "apply",
+    "verify",
+    "frontier",
+    "Plan",
+    "PlanMismatchError",
+    "InfeasibleBudgetError",
+    "VerifyReport",
+    "Frontier",
     "MemoryMeter",
     "MemoryBreakdown",
     "checkpoint",

@@ -21,7 +21,8 @@ Discretisation (rules 1-3 of the solver):
 1. Every ``need`` and ``held`` is rounded *up* to the grid and the budget *down*, so a schedule the DP
    accepts is feasible: each check overestimates the true bytes.
 2. The step is the gcd of all byte figures when the budget spans at most ``memory_slots`` of them
-   (then the DP is exact), else the budget over ``memory_slots``. Rounding loses at most one step per
+   (then the DP is exact), else the budget over ``memory_slots`` (fewer on chains so long that the
+   tables would pass 2**25 floats). Rounding loses at most one step per
    piece, so the grid runs ``n + 1`` steps past the budget; plans found there are re-checked with
    ``evaluate`` and the fastest one that truly fits is kept (slack recovered, never trusted).
 3. Ties go to the first candidate: plain, then options in menu order, then shorter regions.
@@ -44,6 +45,7 @@ from torchckpt.remat.solve.floor import min_peak_schedule
 __all__ = ["DEFAULT_MEMORY_SLOTS", "solve", "frontier"]
 
 DEFAULT_MEMORY_SLOTS = 500
+_MAX_TABLE_FLOATS = 2**25
 
 
 class _Grid:
@@ -201,12 +203,15 @@ def _byte_gcd(chain: Chain) -> int:
     return math.gcd(*values) or 1
 
 
-def _dp_best(chain: Chain, budget_bytes: int, allow_regions: bool, memory_slots: int):
+def _dp_best(chain: Chain, budget_bytes: int, allow_regions: bool,
+             memory_slots: int) -> tuple[tuple[Piece, ...], int, float] | None:
     """The fastest DP plan whose exact evaluation fits the budget, or None."""
     room = budget_bytes - chain.top_context_bytes
     if room < 0:
         return None
     gcd = _byte_gcd(chain)
+    # Tables hold (n + 1)^2 * slots floats: keep them under 2**25 (256 MiB) on very long chains.
+    memory_slots = max(32, min(memory_slots, _MAX_TABLE_FLOATS // (chain.n + 1) ** 2 - chain.n - 2))
     exact = room // gcd <= memory_slots
     step = gcd if exact else gcd * -(-room // (memory_slots * gcd))
     slots = room // step
@@ -252,9 +257,9 @@ def _infeasible(chain: Chain, budget_bytes: int, floor: int, schedule: tuple[Pie
     costs = chain.costs
     breakdown: dict[str, int | str] = {"fixed_bytes": costs.fixed_bytes, "activation_bytes": floor - costs.fixed_bytes,
                                        "head_bytes": costs.head_bytes, "binding": binding}
-    message = (f"budget {budget_bytes} bytes ({format_bytes(budget_bytes)}) is below the smallest feasible predicted "
-               f"peak, {floor} bytes ({format_bytes(floor)}) = fixed {format_bytes(costs.fixed_bytes)} (parameters, "
-               f"gradients, optimizer state, batch, activations outside the blocks) + "
+    message = (f"budget {budget_bytes} bytes ({format_bytes(budget_bytes)}) is below the smallest feasible "
+               f"peak (predicted), {floor} bytes ({format_bytes(floor)}) = fixed {format_bytes(costs.fixed_bytes)} "
+               f"(parameters, gradients, optimizer state, batch, activations outside the blocks) + "
                f"{format_bytes(floor - costs.fixed_bytes)} that the blocks and the head need at least, reached at "
                f"{binding} even with every block recomputed. Try a smaller batch or sequence length, offloading "
                f"(optimizer state or activations to CPU), or sharding parameters, gradients and optimizer state "
@@ -274,10 +279,11 @@ def solve(costs: ChainCosts, budget_bytes: int, *, allow_regions: bool = True,
         >>> from torchckpt.remat.costs import BlockCosts
         >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
         >>> costs = ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block,) * 4)
-        >>> solve(costs, 200).extra_time_s, solve(costs, 140).extra_time_s
+        >>> solve(costs, 160).extra_time_s, solve(costs, 150).extra_time_s  # all plain peaks at 158
         (0.0, 1.0)
         >>> solve(costs, 140).schedule
-        (Single(block=0, option=1), Single(block=1, option=0), Single(block=2, option=0), Single(block=3, option=0))
+        (Region(start=0, stop=2, inner=(Single(block=0, option=0), Single(block=1, option=0))),
+         Single(block=2, option=0), Single(block=3, option=0))
     """
     budget_bytes = _check_budget(budget_bytes)
     if not isinstance(memory_slots, int) or isinstance(memory_slots, bool) or memory_slots < 1:
@@ -307,6 +313,6 @@ def frontier(costs: ChainCosts, budgets: Sequence[int], *, allow_regions: bool =
         >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
         >>> costs = ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block,) * 4)
         >>> [s.extra_time_s for s in frontier(costs, [160, 140, 130])]
-        [0.0, 1.0, 3.0]
+        [0.0, 2.0, 4.0]
     """
     return tuple(solve(costs, budget, allow_regions=allow_regions) for budget in budgets)

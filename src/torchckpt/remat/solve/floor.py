@@ -125,7 +125,7 @@ def floor_bytes(costs: ChainCosts, *, allow_regions: bool = True) -> int:
         >>> from torchckpt.remat.costs import BlockCosts
         >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
         >>> floor_bytes(ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block,) * 4))
-        128
+        124
     """
     floor, _ = min_peak_schedule(Chain.of(costs), allow_regions=allow_regions)
     return floor

@@ -1,0 +1,101 @@
+"""plan -> apply -> verify against the meter and the uncheckpointed gradients, on built-in and HF models."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+import transformers
+
+import torchckpt
+from torchckpt.models import gpt
+from torchckpt.remat import solve as solver
+from torchckpt.remat.frontier import frontier_from_costs
+from torchckpt.remat.plan import fingerprint
+from torchckpt.remat.planner import plan_from_costs
+from torchckpt.remat.profile import profile
+
+
+def _llama() -> tuple[torch.nn.Module, dict]:
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=6,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def _gpt2() -> tuple[torch.nn.Module, dict]:
+    config = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=6, n_head=4, n_positions=128)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def _gpt_mini() -> tuple[torch.nn.Module, tuple]:
+    model = gpt("mini", dropout=0.1)
+    return model, model.example_batch(batch_size=4, seq_len=64)
+
+
+@pytest.mark.parametrize("build", [_gpt_mini, _llama, _gpt2], ids=["gpt-mini", "hf-llama", "hf-gpt2"])
+def test_eight_budgets_fit_predictions_hold_and_gradients_are_exact(build) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    model, batch = build()
+    name, blocks = torchckpt.remat.blocks.find_blocks(model)
+    paths = [f"{name}.{i}" for i in range(len(blocks))]
+    costs = profile(model, batch, blocks=blocks)
+    floor = solver.floor_bytes(costs)
+    top, _ = solver.evaluate(costs, tuple(solver.Single(block=i, option=0) for i in range(len(blocks))))
+    errors = []
+    for k in range(8):
+        budget = int(floor + (top - floor) * k / 7)
+        plan = plan_from_costs(costs, budget, block_paths=paths, model_fingerprint=fingerprint(model, batch, paths))
+        report = torchckpt.verify(model, plan, batch)
+        assert report.within_budget, (k, report.table(), plan.table())
+        assert report.gradients_equal, (k, plan.table())
+        errors.append(abs(report.prediction_error))
+    assert statistics.median(errors) <= 0.05 and max(errors) <= 0.10, errors
+
+
+def test_frontier_nests_below_checkpointing_every_block_on_gpt_small() -> None:
+    """Nesting can only help once the inputs the blocks hold outweigh the parameter gradients that are
+    alive when block 0 runs backward (batch x tokens > 12 x width): 16 x 384 tokens at width 384."""
+    torch.manual_seed(0)
+    model = gpt("small")
+    batch = model.example_batch(batch_size=16, seq_len=384)
+    paths = [f"blocks.{i}" for i in range(len(model.blocks))]
+    costs = profile(model, batch)
+    front = frontier_from_costs(costs, points=6, block_paths=paths, model_fingerprint=fingerprint(model, batch, paths))
+    every_block = next(r for r in front.references if r.label == "checkpoint every block")
+    lowest = front.points[0]
+    assert lowest.peak_bytes < every_block.peak_bytes
+    assert any("region" in piece for piece in lowest.plan.schedule)  # nesting is what gets it there
+    report = torchckpt.verify(model, lowest.plan, batch)
+    assert report.within_budget and report.gradients_equal
+
+
+def test_budget_below_the_floor_names_the_floor_and_what_to_try() -> None:
+    model, batch = _gpt_mini()
+    with pytest.raises(ValueError, match=r"(?s)smallest feasible peak.*batch"):
+        torchckpt.plan(model, batch, budget=1000)
+
+
+def test_budget_strings_and_percentages() -> None:
+    model, batch = _gpt_mini()
+    plan = torchckpt.plan(model, batch, budget="100%")
+    assert plan.predicted_extra_time_s == 0.0
+    assert all(row["decision"] == "keep all" for row in plan.decisions())
+    with pytest.raises(ValueError, match="a percentage must be a number followed by %"):
+        torchckpt.plan(model, batch, budget="lots%")
+
+
+def test_apply_keeps_state_dict_and_parameters_and_is_removable() -> None:
+    model, batch = _gpt_mini()
+    keys, params = list(model.state_dict()), list(model.parameters())
+    plan = torchckpt.plan(model, batch, budget="50%")
+    handle = torchckpt.apply(model, plan)
+    assert list(model.state_dict()) == keys and all(a is b for a, b in zip(model.parameters(), params))
+    handle.remove()
+    assert all("forward" not in vars(m) for m in model.modules())
+    with pytest.raises(ValueError, match="different structure"):
+        torchckpt.apply(gpt("tiny"), plan)
