@@ -41,3 +41,17 @@ def test_bad_option_is_explained() -> None:
     result = _torchckpt("demo", "--steps", "0")
     assert result.returncode == 2
     assert "must be a positive integer; got 0" in result.stderr
+
+
+def test_plan_and_frontier_commands(tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "plan.json"
+    result = _torchckpt("plan", "--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "32", "--budget", "90%",
+                        "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "predicted peak" in result.stdout and out.is_file()
+    result = _torchckpt("frontier", "--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "32", "--points", "3",
+                        "--plot", str(tmp_path / "front.png"))
+    assert result.returncode == 0, result.stderr
+    assert "checkpoint every block" in result.stdout and (tmp_path / "front.png").stat().st_size > 0
+    result = _torchckpt("plan", "--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "32", "--budget", "1000")
+    assert result.returncode == 2 and "smallest feasible peak" in result.stderr
