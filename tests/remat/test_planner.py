@@ -99,3 +99,14 @@ def test_apply_keeps_state_dict_and_parameters_and_is_removable() -> None:
     assert all("forward" not in vars(m) for m in model.modules())
     with pytest.raises(ValueError, match="different structure"):
         torchckpt.apply(gpt("tiny"), plan)
+
+
+def test_planning_a_model_that_runs_under_a_plan_is_refused() -> None:
+    model, batch = _gpt_mini()
+    handle = torchckpt.apply(model, torchckpt.plan(model, batch, budget="100%"))
+    handle.remove()
+    handle = torchckpt.checkpoint_modules(model.blocks)
+    with pytest.raises(ValueError, match=r"already runs under a torchckpt plan or checkpoint_modules .* call "
+                                         r"remove\(\) on that handle"):
+        torchckpt.plan(model, batch, budget="90%")
+    handle.remove()

@@ -42,7 +42,7 @@ def resolve_budget(budget: int | str, costs: ChainCosts) -> int:
         >>> block = BlockCosts(name="b", input_bytes=10, output_bytes=10, saved_bytes=30, forward_time_s=0.1)
         >>> costs = ChainCosts(fixed_bytes=100, head_bytes=0, blocks=(block,))
         >>> resolve_budget("50%", costs), resolve_budget("1KiB", costs)
-        (70, 1024)
+        (75, 1024)
     """
     if isinstance(budget, str) and budget.strip().endswith("%"):
         text = budget.strip()[:-1]

@@ -114,7 +114,7 @@ def verify(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
         >>> from torchckpt.models import gpt
         >>> model = gpt("tiny")
         >>> batch = model.example_batch(batch_size=2, seq_len=32)
-        >>> plan = torchckpt.plan(model, batch, budget="80%")
+        >>> plan = torchckpt.plan(model, batch, budget="95%")
         >>> report = verify(model, plan, batch)
         >>> report.within_budget, report.gradients_equal
         (True, True)
