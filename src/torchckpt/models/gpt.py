@@ -9,12 +9,13 @@ output head share their weight, as in GPT-2. Inside a block, the attention outpu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchckpt.models._config import check_config, sized_config
 from torchckpt.remat.policies import tag
 
 __all__ = ["GPTConfig", "GPT", "gpt", "GPT_SIZES"]
@@ -32,14 +33,9 @@ class GPTConfig:
     dropout: float = 0.1
 
     def __post_init__(self) -> None:
-        for option in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model"):
-            value = getattr(self, option)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{option} must be a positive int; got {value!r}")
+        check_config(self, ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model"))
         if self.d_model % self.n_head:
             raise ValueError(f"GPTConfig.d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1); got {self.dropout!r}")
 
 
 GPT_SIZES: dict[str, GPTConfig] = {
@@ -167,10 +163,5 @@ def gpt(size: str = "small", **overrides: object) -> GPT:
         >>> gpt("tiny").config.n_layer
         2
     """
-    if size not in GPT_SIZES:
-        raise ValueError(f"gpt(size={size!r}): unknown size; choose one of {', '.join(GPT_SIZES)}")
-    try:
-        config = replace(GPT_SIZES[size], **overrides)
-    except TypeError as error:
-        raise TypeError(f"gpt(size={size!r}, ...): {error}; valid overrides are the fields of GPTConfig") from None
+    config = sized_config("gpt", GPT_SIZES, size, overrides)
     return GPT(config)

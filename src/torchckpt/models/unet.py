@@ -6,12 +6,13 @@ not a simple chain. ``model(x, target)`` is the mean-squared error (a denoising-
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchckpt.models._config import check_config, sized_config
 from torchckpt.remat.policies import tag
 
 __all__ = ["UNetConfig", "UNet", "unet", "UNET_SIZES"]
@@ -29,15 +30,10 @@ class UNetConfig:
     dropout: float = 0.1
 
     def __post_init__(self) -> None:
-        for option in ("in_channels", "base_channels", "levels", "blocks_per_level", "groups"):
-            value = getattr(self, option)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"UNetConfig.{option} must be a positive int; got {value!r}")
+        check_config(self, ("in_channels", "base_channels", "levels", "blocks_per_level", "groups"))
         if self.base_channels % self.groups:
             raise ValueError(f"UNetConfig.base_channels ({self.base_channels}) must be divisible by "
                              f"groups ({self.groups})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"UNetConfig.dropout must be in [0, 1); got {self.dropout!r}")
 
 
 UNET_SIZES: dict[str, UNetConfig] = {
@@ -142,10 +138,5 @@ def unet(size: str = "small", **overrides: object) -> UNet:
         >>> len(unet("tiny").down)
         2
     """
-    if size not in UNET_SIZES:
-        raise ValueError(f"unet(size={size!r}): unknown size; choose one of {', '.join(UNET_SIZES)}")
-    try:
-        config = replace(UNET_SIZES[size], **overrides)
-    except TypeError as error:
-        raise TypeError(f"unet(size={size!r}, ...): {error}; valid overrides are the fields of UNetConfig") from None
+    config = sized_config("unet", UNET_SIZES, size, overrides)
     return UNet(config)

@@ -113,8 +113,8 @@ def verify(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
         >>> import torchckpt
         >>> from torchckpt.models import gpt
         >>> model = gpt("tiny")
-        >>> batch = model.example_batch(batch_size=2, seq_len=32)
-        >>> plan = torchckpt.plan(model, batch, budget="95%")
+        >>> batch = model.example_batch(batch_size=4, seq_len=128)
+        >>> plan = torchckpt.plan(model, batch, budget="75%")
         >>> report = verify(model, plan, batch)
         >>> report.within_budget, report.gradients_equal
         (True, True)
