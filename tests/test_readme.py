@@ -23,3 +23,5 @@ def test_quickstart_runs() -> None:
     exec(compile("\n".join(blocks), str(README), "exec"), namespace)  # noqa: S102 - our own README
     assert namespace["meter"].peak_bytes > namespace["meter"].baseline_bytes
     assert all("forward" not in vars(block) for block in namespace["model"].blocks)
+    plan = namespace["plan"]
+    assert plan.predicted_peak_bytes <= plan.budget_bytes < plan.reference["no_checkpointing_peak_bytes"]
