@@ -24,5 +24,5 @@ def test_parse_bytes_errors(bad: object, error: type, message: str) -> None:
 
 
 def test_format_bytes() -> None:
-    assert [format_bytes(n) for n in (0, 1023, 1024, 1536 * 2**20, 300 * 2**20)] == \
-        ["0 B", "1023 B", "1.00 KiB", "1.50 GiB", "300 MiB"]
+    assert [format_bytes(n) for n in (0, 1023, 1024, 1536 * 2**20, 300 * 2**20, 1020 * 2**20)] == \
+        ["0 B", "1023 B", "1.00 KiB", "1.50 GiB", "300 MiB", "1020 MiB"]

@@ -67,4 +67,4 @@ def format_bytes(num_bytes: float) -> str:
         value /= 1024
     if unit == "B":
         return f"{int(value)} B"
-    return f"{value:.3g} {unit}" if abs(value) >= 100 else f"{value:.2f} {unit}"
+    return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:.2f} {unit}"
