@@ -29,6 +29,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "adamw-onecycle-sync": {"optimizer": "adamw", "scheduler": "onecycle", "async_save": False, "preempt": False},
     "sgd-step-async": {"optimizer": "sgd", "scheduler": "step", "async_save": True, "preempt": False},
     "adamw-step-preempt": {"optimizer": "adamw", "scheduler": "step", "async_save": True, "preempt": True},
+    # The built-in GPT (tiny, dropout 0.1) on a fixed random token dataset, saved every 2 steps.
+    "gpt-adamw-warmcosine-sync": {"model": "gpt", "optimizer": "adamw", "scheduler": "warmcosine",
+                                  "async_save": False, "preempt": False, "every": 2},
 }
 
 
@@ -44,6 +47,8 @@ def build_training(variant: str, total_steps: int):
 
     spec = VARIANTS[variant]
     seed_everything(1234)
+    if spec.get("model") == "gpt":
+        return build_gpt_training(total_steps)
     model = torch.nn.Sequential(
         torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 3)
     )
@@ -63,12 +68,34 @@ def build_training(variant: str, total_steps: int):
     return model, optimizer, scheduler, loader
 
 
+def build_gpt_training(total_steps: int):
+    """``torchckpt.models.gpt("tiny", dropout=0.1)``, AdamW, linear warm-up then cosine decay
+    (SequentialLR: nested scheduler state), a shuffling StatefulDataLoader over 22 fixed random
+    sequences of 32 tokens, batch 4 (6 batches per epoch, the last one short)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from torchckpt.models import gpt
+
+    model = gpt("tiny", dropout=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.2, total_iters=4)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps - 4)
+    scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[4])
+    tokens = torch.randint(0, model.config.vocab_size, (22, 33), generator=torch.Generator().manual_seed(99))
+    dataset = torch.utils.data.TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    loader = StatefulDataLoader(dataset, batch_size=4, shuffle=True)
+    return model, optimizer, scheduler, loader
+
+
 def train_step(model, optimizer, scheduler, batch) -> torch.Tensor:
     inputs, targets = batch
-    # Draw from every RNG stream, so a wrong restore of any of them changes the losses.
-    noise = torch.from_numpy(np.random.standard_normal(inputs.shape).astype(np.float32))
-    inputs = inputs + 0.01 * noise * random.random()
-    loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+    if inputs.is_floating_point():  # MLP features
+        # Draw from every RNG stream, so a wrong restore of any of them changes the losses.
+        noise = torch.from_numpy(np.random.standard_normal(inputs.shape).astype(np.float32))
+        inputs = inputs + 0.01 * noise * random.random()
+        loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+    else:  # GPT token ids; its dropout masks draw from torch's RNG
+        loss = model(inputs, targets)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -83,7 +110,7 @@ def run_training(run_dir: str, losses_path: str, variant: str, total_steps: int)
     model, optimizer, scheduler, loader = build_training(variant, total_steps)
     train_state = {"epoch": 0}
     options = {"keep_last": 2, "async_save": spec["async_save"]}
-    options.update({"save_on_preemption": True} if spec["preempt"] else {"save_every_steps": 1})
+    options.update({"save_on_preemption": True} if spec["preempt"] else {"save_every_steps": spec.get("every", 1)})
     items = dict(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, train_state=train_state)
     ckpt = Checkpointer(run_dir, **options) if run_dir != "-" else None  # "-": the uninterrupted reference
     step = (ckpt.restore(**items) or 0) if ckpt is not None else 0

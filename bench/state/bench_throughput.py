@@ -1,0 +1,239 @@
+"""Save/restore throughput of torchckpt against raw I/O, torch.save/load and torch.distributed.checkpoint.
+
+Usage: .venv/bin/python bench/state/bench_throughput.py [--mb 512] [--repeats 3] [--dir DIR] [--warm]
+
+One process, one state: a model of 4 square bias-free Linear layers + AdamW state after one step
+(params + 2 moments ~= --mb MB, 1 MB = 10**6 bytes). Every repeat runs every method once, in
+the same order (interleaved), so drift of the shared machine hits all methods alike; reported:
+median and min-max of the seconds, MB/s of the median. Every write ends with fsync (raw write:
+write + fsync; torch.save: + fsync of the file; dcp: FileSystemWriter(sync_files=True);
+torchckpt: its commit protocol, sha256 hashes). Before every read the files just written are
+evicted from the page cache (posix_fadvise DONTNEED), so reads come from the disk, unless --warm.
+
+Targets (ratios of median times): torchckpt sync save / raw write throughput >= 0.8;
+async save blocking time / sync save time <= 0.10; torchckpt restore / raw read throughput >= 0.8.
+Prints a Markdown table and writes bench/state/results/throughput.json. Measured, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Callable
+
+import torch
+
+from torchckpt.state import Checkpointer
+from torchckpt.state.format import hash_bytes
+
+MB = 10**6
+
+
+def build_state(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+    """Model + AdamW after one step whose tensors total ~``mb`` MB; returns them and the exact bytes."""
+    torch.manual_seed(0)
+    width = int((mb * MB / 4 / 3 / 4) ** 0.5)  # 4 square fp32 layers, params + exp_avg + exp_avg_sq
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(4)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width)).square().mean().backward()
+    optimizer.step()
+    tensors = list(model.state_dict().values()) + [
+        value for state in optimizer.state_dict()["state"].values() for value in state.values()
+    ]
+    return model, optimizer, sum(t.numel() * t.element_size() for t in tensors)
+
+
+def evict(path: str) -> None:
+    """Drop the (clean, fsynced) pages of every file under ``path`` from the page cache."""
+    paths = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for name in paths:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+class Bench:
+    """Runs the methods of one repeat; collects seconds per method."""
+
+    def __init__(self, root: str, model, optimizer, nbytes: int, warm: bool) -> None:
+        self.root, self.model, self.optimizer, self.nbytes, self.warm = root, model, optimizer, nbytes, warm
+        self.times: dict[str, list[float]] = {}
+        self.step = 0
+        # the same bytes as the state, in one buffer, for the raw write
+        self.blob = torch.cat([t.reshape(-1).view(torch.uint8) for t in self._tensors()])
+
+    def _tensors(self) -> list[torch.Tensor]:
+        opt = self.optimizer.state_dict()["state"]
+        return list(self.model.state_dict().values()) + [v for s in opt.values() for v in s.values()]
+
+    def _state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def timed(self, name: str, action: Callable[[], object]) -> object:
+        start = time.perf_counter()
+        result = action()
+        self.times.setdefault(name, []).append(time.perf_counter() - start)
+        return result
+
+    def before_read(self, path: str) -> None:
+        if not self.warm:
+            evict(path)
+
+    def raw(self) -> None:
+        path = os.path.join(self.root, "raw.bin")
+        remove(path)
+
+        def write() -> None:
+            with open(path, "wb") as handle:
+                handle.write(memoryview(self.blob.numpy()))
+                handle.flush()
+                os.fsync(handle.fileno())
+
+        def read() -> torch.Tensor:
+            out = torch.empty(self.nbytes, dtype=torch.uint8)
+            with open(path, "rb", buffering=0) as handle:
+                view, done = memoryview(out.numpy()), 0
+                while done < self.nbytes:
+                    done += handle.readinto(view[done:])
+            return out
+
+        self.timed("raw write (write+fsync)", write)
+        self.before_read(path)
+        out = self.timed("raw read", read)
+        assert torch.equal(out, self.blob)
+
+    def torch_save(self) -> None:
+        path = os.path.join(self.root, "state.pt")
+        remove(path)
+
+        def save() -> None:
+            torch.save(self._state(), path)
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+        self.timed("torch.save (+fsync)", save)
+        self.before_read(path)
+        loaded = self.timed("torch.load", lambda: torch.load(path, weights_only=True))
+        assert torch.equal(loaded["model"]["0.weight"], self.model[0].weight.detach())
+
+    def dcp(self) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        path = os.path.join(self.root, "dcp")
+        remove(path)
+        # a state dict of fresh tensors to load into (dcp.load loads in place)
+        target = {"model": {k: torch.empty_like(v) for k, v in self.model.state_dict().items()},
+                  "optimizer": {str(k): {n: torch.empty_like(t) for n, t in s.items()}
+                                for k, s in self.optimizer.state_dict()["state"].items()}}
+        source = {"model": self.model.state_dict(),
+                  "optimizer": {str(k): dict(s) for k, s in self.optimizer.state_dict()["state"].items()}}
+        self.timed("dcp.save", lambda: dcp.save(source, storage_writer=dcp.FileSystemWriter(path)))
+        self.before_read(path)
+        self.timed("dcp.load", lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(path)))
+        assert torch.equal(target["model"]["0.weight"], self.model[0].weight.detach())
+
+    def torchckpt(self) -> None:
+        self.step += 1
+        sync_dir, async_dir = os.path.join(self.root, "ckpt-sync"), os.path.join(self.root, "ckpt-async")
+        remove(sync_dir)
+        remove(async_dir)
+        with Checkpointer(sync_dir, keep_last=1) as ckpt:
+            self.timed("torchckpt save (sync, sha256)", lambda: ckpt.save(self.step, model=self.model,
+                                                                           optimizer=self.optimizer))
+        ckpt = Checkpointer(async_dir, keep_last=1, async_save=True)
+        start = time.perf_counter()
+        self.timed("torchckpt save (async, blocking part)", lambda: ckpt.save(self.step, model=self.model,
+                                                                               optimizer=self.optimizer))
+        ckpt.close()
+        self.times.setdefault("torchckpt save (async, until committed)", []).append(time.perf_counter() - start)
+        self.before_read(sync_dir)
+        with Checkpointer(sync_dir) as ckpt:
+            restored = self.timed("torchckpt restore (verify=full)", lambda: ckpt.restore(
+                model=self.model, optimizer=self.optimizer, rng=False))
+        assert restored == self.step
+        self.before_read(sync_dir)
+        with Checkpointer(sync_dir, verify="fast") as ckpt:
+            restored = self.timed("torchckpt restore (verify=fast, no hashing)", lambda: ckpt.restore(
+                model=self.model, optimizer=self.optimizer, rng=False))
+        assert restored == self.step
+
+    def hash_only(self) -> None:
+        """sha256 of the same bytes, in memory: the hashing share of a save or a full-verify restore."""
+        data = memoryview(self.blob.numpy())
+        self.timed("sha256 of the same bytes (in memory, for reference)", lambda: hash_bytes(data, "sha256"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=512, help="state size in MB (10**6 bytes)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="parent of the temp data dir (default: the system temp dir)")
+    parser.add_argument("--warm", action="store_true", help="read from the page cache (no eviction)")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")  # dcp without a process group warns on every call
+    model, optimizer, nbytes = build_state(args.mb)
+    root = tempfile.mkdtemp(prefix="torchckpt-throughput-", dir=args.dir)
+    try:
+        bench = Bench(root, model, optimizer, nbytes, args.warm)
+        for repeat in range(args.repeats):
+            for method in (bench.raw, bench.torch_save, bench.dcp, bench.torchckpt, bench.hash_only):
+                method()
+            print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    rows = {}
+    for name, seconds in bench.times.items():
+        median = statistics.median(seconds)
+        rows[name] = {"median_s": median, "min_s": min(seconds), "max_s": max(seconds),
+                      "mb_per_s": nbytes / MB / median, "seconds": seconds}
+    med = {name: row["median_s"] for name, row in rows.items()}
+    targets = [
+        ("torchckpt sync save / raw write (throughput)", med["raw write (write+fsync)"] / med["torchckpt save (sync, sha256)"], ">= 0.8"),
+        ("torchckpt async blocking / sync save (time)", med["torchckpt save (async, blocking part)"] / med["torchckpt save (sync, sha256)"], "<= 0.10"),
+        ("torchckpt restore / raw read (throughput)", med["raw read"] / med["torchckpt restore (verify=full)"], ">= 0.8"),
+    ]
+    results = {
+        "state_bytes": nbytes, "repeats": args.repeats, "cold_reads": not args.warm, "cpu_count": os.cpu_count(),
+        "torch": torch.__version__, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "rows": rows,
+        "targets": [{"ratio": name, "value": value, "target": target,
+                     "met": value >= 0.8 if target.startswith(">=") else value <= 0.10}
+                    for name, value, target in targets],
+    }
+    print(f"state: {nbytes / MB:.0f} MB, {args.repeats} interleaved repeats, "
+          f"reads {'warm (page cache)' if args.warm else 'cold (evicted from page cache)'}\n")
+    print("| method | MB/s (median) | median s | min-max s |")
+    print("|---|---|---|---|")
+    for name, row in rows.items():
+        print(f"| {name} | {row['mb_per_s']:.0f} | {row['median_s']:.3f} | {row['min_s']:.3f}-{row['max_s']:.3f} |")
+    print("\n| target | value | wanted | met |")
+    print("|---|---|---|---|")
+    for target in results["targets"]:
+        print(f"| {target['ratio']} | {target['value']:.2f} | {target['target']} | {'yes' if target['met'] else 'no'} |")
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "throughput.json"), "w") as handle:
+        json.dump(results, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
