@@ -250,3 +250,37 @@ def test_tag_is_identity_outside_a_region_and_a_view_inside() -> None:
 
     checkpoint(fn, x).sum().backward()
     assert seen == [True, True]  # forward and recomputation both see a view, never a copy
+
+
+def test_random_ops_are_never_kept_so_later_random_ops_match() -> None:
+    """A policy asking to keep rand_like's output must not make recomputation skip the RNG draw."""
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x * torch.rand_like(x) * torch.rand_like(x)).sin()
+
+    torch.manual_seed(4)
+    fn(x).sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(4)
+    checkpoint(fn, x, policy=lambda op: True).sum().backward()
+    assert torch.equal(x.grad, expected)
+
+
+def test_kept_output_modified_after_the_region_is_recomputed_not_served() -> None:
+    x, weight = torch.randn(3, 4), torch.randn(4, 4, requires_grad=True)
+
+    def fn(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = x @ weight
+        return z, z.sin()
+
+    _, plain = fn(x, weight)
+    plain.sum().backward()
+    expected = weight.grad.clone()
+    weight.grad = None
+    z, out = checkpoint(fn, x, weight, policy="dots_saveable")
+    with torch.no_grad():
+        z.add_(1.0)  # the caller changes a value the policy kept
+    out.sum().backward()
+    assert torch.equal(weight.grad, expected)

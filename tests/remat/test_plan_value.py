@@ -71,3 +71,57 @@ def test_not_a_plan_is_explained(tmp_path) -> None:  # noqa: ANN001
     (tmp_path / "y.json").write_text("{")
     with pytest.raises(ValueError, match="invalid JSON"):
         Plan.load(tmp_path / "y.json")
+
+
+def test_incomplete_plan_is_explained() -> None:
+    with pytest.raises(ValueError, match="not a complete torchckpt plan: missing or malformed field 'budget_bytes'"):
+        Plan.from_json('{"format": "torchckpt.plan", "version": 1}')
+
+
+def test_regions_keep_tuple_outputs_and_leave_nothing_behind() -> None:
+    """Blocks that return 1-tuples (as older HF layers do), run as one region: same output and gradients."""
+    import gc
+
+    from torchckpt.remat.apply import apply_plan
+    from torchckpt.remat.profile import profile
+
+    class TupleBlock(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, h: torch.Tensor) -> tuple[torch.Tensor]:
+            return (torch.tanh(self.linear(h)),)
+
+    class Chain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(TupleBlock() for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)[0]
+            return x.square().sum()
+
+    torch.manual_seed(0)
+    model, x = Chain(), torch.randn(2, 4, requires_grad=True)
+    model(x).backward()
+    expected = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    profile(model, (x,))
+    assert not x._backward_hooks  # the profiler's gradient hooks are gone
+    paths = [f"blocks.{i}" for i in range(3)]
+    schedule = ({"region": [0, 3], "inner": [{"block": i, "plain": True} for i in range(3)]},)
+    plan = Plan(budget_bytes=1, predicted_peak_bytes=1, predicted_extra_time_s=0.0, schedule=schedule,
+                block_paths=tuple(paths), fingerprint=fingerprint(model, (x,), paths))
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    with apply_plan(model, plan):
+        model(x).backward()
+        gc.collect()
+        region_forward = model.blocks[0].forward
+        kept = dict(zip(region_forward.__code__.co_freevars, (c.cell_contents for c in region_forward.__closure__)))
+        assert kept["shape_of_output"] == {}  # nothing of the region's output (or its graph) kept after the step
+    got = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))

@@ -151,20 +151,23 @@ def _wrap_region(piece: dict, blocks: list[nn.Module], wrapped: list[nn.Module])
     start, stop = piece["region"]
     forwards = {index: blocks[index].forward for index in range(start, stop)}
     forwards_list: list[Callable] = [forwards.get(i) for i in range(len(blocks))]  # type: ignore[misc]
-    last_output: dict[str, Any] = {}
+    # What pass-through blocks must return besides the hidden state: the region output's other tuple
+    # items. Only those are kept (not the output itself, which would hold the region's graph), and the
+    # last pass-through block drops them.
+    shape_of_output: dict[str, Any] = {}
 
     def region_forward(*args: Any, **kwargs: Any) -> Any:
         if not args:
             raise TypeError(f"a checkpointed region starting at block {start} needs the hidden state as the first "
                             "positional argument; this model passes it by keyword, so plan without regions")
         output = checkpoint(_run_pieces, piece["inner"], forwards_list, args, kwargs)
-        last_output["value"] = output
+        shape_of_output["rest"] = tuple(output[1:]) if isinstance(output, tuple) else None
         return output
 
-    def pass_through(*args: Any, **kwargs: Any) -> Any:
-        _, rest = _first_tensor_and_rest(last_output.get("value"))
-        return (args[0], *rest) if rest else args[0]
+    def pass_through(*args: Any, last: bool = False, **kwargs: Any) -> Any:
+        rest = shape_of_output.pop("rest", None) if last else shape_of_output.get("rest")
+        return args[0] if rest is None else (args[0], *rest)
 
     _wrap(blocks[start], region_forward, wrapped)
     for index in range(start + 1, stop):
-        _wrap(blocks[index], pass_through, wrapped)
+        _wrap(blocks[index], functools.partial(pass_through, last=index == stop - 1), wrapped)

@@ -17,8 +17,8 @@ Design rules (numbered so code and tests can point at them):
    function whose recomputation differs from its forward fails loudly, naming the op and the tensor.
 4. ``aten.detach`` is invisible to both modes: autograd's own bookkeeping detaches saved tensors during
    recomputation but not during the forward pass.
-5. The policy rules of ``policies.py`` (views and in-place ops are never kept; kept values modified in
-   place later are dropped and recomputed).
+5. The policy rules of ``policies.py`` (views, in-place and random ops are never kept; kept values
+   modified in place later, inside or after the region, are recomputed instead of served).
 6. A checkpoint nested inside another checkpointed region keeps nothing (its policy acts as
    ``nothing_saveable``). Its cache would be a plain Python reference that the enclosing region's
    saved-tensor hooks cannot see, so it would stay alive through the whole forward pass and defeat
@@ -99,9 +99,15 @@ class _Region:
     records: list[_OpRecord] = field(default_factory=list)
     cache: dict[int, tuple[Any, list[Any]]] = field(default_factory=dict)  # index -> (spec, flat outputs)
     cache_storages: dict[int, set[int]] = field(default_factory=dict)  # storage key -> cached indices
+    cache_versions: dict[int, list[int]] = field(default_factory=dict)  # index -> version counters at keep
 
     def keep(self, index: int, flat: list[Any], spec: Any) -> None:
-        self.cache[index] = (spec, [v.detach() for v in flat])
+        # Below autograd, detach() would get a fresh version counter; with ADInplaceOrView re-enabled it
+        # shares the output's, so writes made later (even by the caller, after the region) are visible.
+        with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+            kept = [v.detach() for v in flat]
+        self.cache[index] = (spec, kept)
+        self.cache_versions[index] = [v._version for v in kept]
         for value in flat:
             key = _storage_key(value)
             if key is not None:
@@ -114,20 +120,24 @@ class _Region:
                 for index in self.cache_storages.pop(_storage_key(value), ()):
                     self.cache.pop(index, None)
 
-    def serve(self, index: int) -> Any:
-        """Hand a kept output to recomputation and drop the cache's reference (rule 7)."""
+    def serve(self, index: int) -> Any | None:
+        """Hand a kept output to recomputation and drop the cache's reference (rule 7); None when the
+        value was modified in place since it was kept (even after the region returned): recompute it."""
         spec, flat = self.cache.pop(index)
+        versions = self.cache_versions.pop(index)
         for value in flat:
             indices = self.cache_storages.get(_storage_key(value))
             if indices is not None:
                 indices.discard(index)
+        if [v._version for v in flat] != versions:
+            return None
         return tree_unflatten([v.detach() for v in flat], spec)
 
 
 def _is_keepable(func: Any, tag_name: str | None) -> bool:
     schema = func._schema
-    if schema.is_mutable:
-        return False
+    if schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
+        return False  # random ops must draw again in recomputation, or every later random op shifts
     if tag_name is not None:
         return True
     return not any(ret.alias_info is not None for ret in schema.returns)
@@ -141,8 +151,9 @@ class _RegionMode(TorchDispatchMode):
         self.region = region
 
     def __enter__(self) -> _RegionMode:
+        entered = super().__enter__()
         TAG_STATE.active_regions += 1
-        return super().__enter__()
+        return entered
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -198,7 +209,9 @@ class _RecomputeMode(_RegionMode):
                 f"the forward pass ran {record.name}, recomputation ran {name}. Likely cause: control flow "
                 f"that depends on global state or randomness outside torch's RNG. Fix: make the function depend "
                 f"only on its inputs. {_DEBUG_TIP}")
-        out = region.serve(index) if index in region.cache else func(*args, **kwargs)
+        out = region.serve(index) if index in region.cache else None
+        if out is None:
+            out = func(*args, **kwargs)
         self._check(index, record, tree_flatten(out)[0])
         return out
 

@@ -139,10 +139,14 @@ class Plan:
         if payload.get("version") != FORMAT_VERSION:
             raise ValueError(f"plan format version {payload.get('version')!r} is not supported by this torchckpt "
                              f"(reads version {FORMAT_VERSION}); re-create the plan")
-        return cls(budget_bytes=payload["budget_bytes"], predicted_peak_bytes=payload["predicted_peak_bytes"],
-                   predicted_extra_time_s=payload["predicted_extra_time_s"], schedule=tuple(payload["schedule"]),
-                   block_paths=tuple(payload["block_paths"]), fingerprint=payload["fingerprint"],
-                   reference=payload.get("reference", {}))
+        try:
+            return cls(budget_bytes=payload["budget_bytes"], predicted_peak_bytes=payload["predicted_peak_bytes"],
+                       predicted_extra_time_s=payload["predicted_extra_time_s"], schedule=tuple(payload["schedule"]),
+                       block_paths=tuple(payload["block_paths"]), fingerprint=payload["fingerprint"],
+                       reference=payload.get("reference", {}))
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"not a complete torchckpt plan: missing or malformed field {error}; re-create the "
+                             "plan with torchckpt.plan(...)") from None
 
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON."""

@@ -6,10 +6,11 @@ to keep its outputs for the backward pass, ``False`` to recompute them.
 
 Rules the executor applies around any policy (see ``checkpoint.py``):
 
-1. View and in-place ops are never kept (a view is free to recompute; keeping an in-place result would
-   skip the mutation during recomputation). ``tag`` is the one view that is asked about.
-2. A kept output that is later modified in place in the forward pass is dropped from the cache and
-   recomputed, so recomputation always sees the values the forward pass saw.
+1. View, in-place and random ops are never kept (a view is free to recompute; keeping an in-place
+   result would skip the mutation; a random op must draw again so later random ops get the same
+   numbers). ``tag`` is the one view that is asked about.
+2. A kept output that is later modified in place (inside the region or after it) is recomputed
+   instead of served, so recomputation always sees the values the forward pass saw.
 3. The policy is asked in the forward pass only; recomputation replays the same decisions by position.
 
 Example:

@@ -215,7 +215,7 @@ class _Probe:
             trace.before_forward = self.meter.current_bytes
             self.meter.reset_peak()
             if x is not None and x.requires_grad:
-                x.register_hook(self._backward_end(i))
+                self._handles.append(x.register_hook(self._backward_end(i)))
             if self.recorder is not None:
                 self.recorder.block = trace
                 TAG_STATE.active_regions += 1  # tags act as inside a checkpointed region (same op numbering)
@@ -233,7 +233,7 @@ class _Probe:
             trace.forward_peak = self.meter.peak_bytes
             trace.after_forward = self.meter.current_bytes
             if y is not None and y.requires_grad:
-                y.register_hook(self._backward_start(i))
+                self._handles.append(y.register_hook(self._backward_start(i)))
             if i == len(self.blocks) - 1:
                 self.meter.reset_peak()
         return hook
