@@ -126,10 +126,9 @@ def apply_plan(model: nn.Module, plan: Plan) -> CheckpointHandle:
     return CheckpointHandle(wrapped)
 
 
-def _first_tensor_and_rest(output: Any) -> tuple[Any, tuple]:
-    if isinstance(output, tuple) and output:
-        return output[0], output[1:]
-    return output, ()
+def _hidden(output: Any) -> Any:
+    """The hidden state a block passes on: the output itself, or its first item when it is a tuple."""
+    return output[0] if isinstance(output, tuple) and output else output
 
 
 def _run_pieces(pieces: list[dict], forwards: list[Callable], args: tuple, kwargs: dict) -> Any:
@@ -142,8 +141,7 @@ def _run_pieces(pieces: list[dict], forwards: list[Callable], args: tuple, kwarg
             output = forwards[piece["block"]](*args, **kwargs)
         else:
             output = checkpoint(forwards[piece["block"]], *args, **kwargs)
-        hidden, _ = _first_tensor_and_rest(output)
-        args = (hidden, *args[1:])
+        args = (_hidden(output), *args[1:])
     return output
 
 

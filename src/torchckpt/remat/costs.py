@@ -5,8 +5,9 @@ All sizes are bytes (ints), all times seconds (floats).
 
 The peak model the solver evaluates (numbered so that solver, profiler and tests can point at it):
 
-1. A model is ``fixed_bytes`` (parameters, gradients, optimizer state, the batch, and activations
-   outside the blocks that live through the backward pass) plus a chain of blocks ``0..n-1``.
+1. A model is ``fixed_bytes`` (parameters, gradients, optimizer state, the batch, activations
+   outside the blocks that live through the backward pass, and the profiler's headroom) plus a chain
+   of blocks ``0..n-1``.
    Block ``i`` reads ``x_i = blocks[i].input_bytes`` and produces ``y_i = blocks[i].output_bytes``
    (``y_i == x_{i+1}``). The gradient of a tensor has the tensor's size.
 2. A plan is a sequence of pieces covering the chain in order. A piece is a single block with a menu

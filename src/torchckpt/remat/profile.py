@@ -193,7 +193,6 @@ class _Probe:
     def __init__(self, blocks: Sequence[nn.Module], meter: MemoryMeter, recorder: _Recorder | None) -> None:
         self.blocks, self.meter, self.recorder = list(blocks), meter, recorder
         self.traces = [_BlockTrace() for _ in self.blocks]
-        self.forward_end = 0
         self.head_peak = 0
         self._handles: list[Any] = []
         self._backward_open: int | None = None
