@@ -122,8 +122,10 @@ def measure(run: Callable[[Cell, torch.Tensor, torch.Tensor], int], problem: Pro
 def table(rows: list[Row], problem: Problem) -> str:
     plain = rows[0]
     lines = [
-        f"{problem.steps} steps, batch {problem.batch}, hidden {problem.hidden}: one carry = "
-        f"{problem.carry_bytes / 1024:.0f} KiB; forward + backward; {torch.get_num_threads()} intra-op thread(s).",
+        (
+            f"{problem.steps} steps, batch {problem.batch}, hidden {problem.hidden}: one carry = "
+            f"{problem.carry_bytes / 1024:.0f} KiB; forward + backward; {torch.get_num_threads()} intra-op thread(s)."
+        ),
         "",
         "| method | peak MiB | x plain | carries | time s | x plain | step evals |",
         "|---|---:|---:|---:|---:|---:|---:|",

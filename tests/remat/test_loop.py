@@ -11,9 +11,15 @@ import torch
 from torch import nn
 
 from torchckpt.memory import MemoryMeter
-from torchckpt.remat.checkpoint import RematError, RecomputationMismatchError
+from torchckpt.remat.checkpoint import RecomputationMismatchError, RematError
 from torchckpt.remat.loop import LoopStats, checkpointed_loop, checkpointed_while
-from torchckpt.remat.revolve import online_schedule, optimal_step_evaluations, revolve_schedule
+from torchckpt.remat.online import online_held_states
+from torchckpt.remat.revolve import (
+    binomial_max_steps,
+    online_schedule,
+    optimal_step_evaluations,
+    revolve_schedule,
+)
 
 WIDTH = 6
 
@@ -184,6 +190,37 @@ def test_while_stopping_early_matches_plain_loop(checkpoints: int) -> None:
     for got, want in zip(grads, ref_grads):
         assert torch.equal(got, want)
     assert stats.lines() == online_schedule(21, checkpoints).lines()[:-1]
+    # 21 = beta(5, 2): with 5 or more checkpoints the online count is the offline optimum (Stumm &
+    # Walther); with 1 there is nothing to place; with 2, 21 = beta(2, 5) happens to be optimal too.
+    assert stats.step_evaluations == optimal_step_evaluations(21, checkpoints)
+
+
+WHILE_CASES = [(1, 1), (2, 1), (9, 1), (3, 10), (4, 4), (5, 5), (6, 2), (10, 3), (12, 3), (40, 4), (64, 6)]
+
+
+@pytest.mark.parametrize("steps,checkpoints", WHILE_CASES)
+def test_while_gradients_bitwise_equal_plain_loop(steps: int, checkpoints: int) -> None:
+    # The Cell problem (dropout, a nested carry with an int counter, a module, a non-leaf tensor from
+    # outside the loop); cond_fn stops on the counter, so the length is found only while running.
+    ref_loss, ref_grads = plain_gradients(steps)
+    cell, carry, inputs = make_problem()
+    calls = [0]
+    stats = LoopStats()
+    torch.manual_seed(123)
+    out = checkpointed_while(lambda c: c["aux"].count < steps, cell.step_fn(cell.base * 2, calls), carry,
+                             max_steps=1000, checkpoints=checkpoints, stats=stats)
+    loss = loss_of(out)
+    assert torch.equal(loss, ref_loss) and stats.steps == steps
+    for name, got, want in zip(["h0", "lin.weight", "lin.bias", "base"], torch.autograd.grad(loss, inputs), ref_grads):
+        assert torch.equal(got, want), name
+    assert calls[0] == stats.step_evaluations == online_schedule(steps, checkpoints).step_evaluations
+    assert stats.lines() == online_schedule(steps, checkpoints).lines()[:-1]
+    if steps <= binomial_max_steps(checkpoints, 2):  # Stumm & Walther: optimal up to binom(s + 2, 2)
+        assert calls[0] == optimal_step_evaluations(steps, checkpoints)
+    # The carries held when the loop ends (forward stores minus forward frees) are the placement's.
+    forward = stats.actions[: [a.kind for a in stats.actions].index("tape")]
+    held = {a.stop for a in forward if a.kind == "store"} - {a.stop for a in forward if a.kind == "free"}
+    assert tuple(sorted(held)) == online_held_states(steps, checkpoints)
 
 
 def test_while_stops_at_max_steps_and_at_zero_steps() -> None:
@@ -201,8 +238,11 @@ def test_while_stops_at_max_steps_and_at_zero_steps() -> None:
 # --------------------------------------------------------------------------- memory
 
 
-def measure(steps: int, checkpoints: int | None) -> tuple[int, int, int]:
-    """(forward peak, forward + backward peak, carry bytes) above the entry baseline."""
+def measure(steps: int, checkpoints: int | None, online: bool = False) -> tuple[int, int, int]:
+    """(forward peak, forward + backward peak, carry bytes) above the entry baseline.
+
+    ``online``: run ``checkpointed_while`` (its cond_fn never says stop, max_steps=steps).
+    """
     torch.manual_seed(0)
     lin = nn.Linear(128, 128)
     h0 = torch.randn(32, 128)
@@ -217,6 +257,8 @@ def measure(steps: int, checkpoints: int | None) -> tuple[int, int, int]:
             out = h0
             for _ in range(steps):
                 out = step(out)
+        elif online:
+            out = checkpointed_while(lambda h: True, step, h0, max_steps=steps, checkpoints=checkpoints)
         else:
             out = checkpointed_loop(step, h0, steps=steps, checkpoints=checkpoints)
         forward = meter.peak_bytes - base
@@ -226,9 +268,10 @@ def measure(steps: int, checkpoints: int | None) -> tuple[int, int, int]:
     return forward, total, h0.numel() * h0.element_size()
 
 
+@pytest.mark.parametrize("online", [False, True], ids=["loop", "while"])
 @pytest.mark.parametrize("checkpoints,steps", [(1, 24), (4, 96), (9, 96)])
-def test_memory_is_checkpoints_plus_constant_carries(checkpoints: int, steps: int) -> None:
-    forward, total, carry = measure(steps, checkpoints)
+def test_memory_is_checkpoints_plus_constant_carries(checkpoints: int, steps: int, online: bool) -> None:
+    forward, total, carry = measure(steps, checkpoints, online)
     # Forward: the stored carries (x_0 is the caller's, already in the baseline) plus, at the newest
     # step, its input, its linear output and its tanh output: (checkpoints - 1) + 3 carries exactly.
     assert forward == (checkpoints + 2) * carry
@@ -236,11 +279,11 @@ def test_memory_is_checkpoints_plus_constant_carries(checkpoints: int, steps: in
     # the weight, one step's transients). It does not grow with the number of steps.
     _, plain_two_step_total, _ = measure(2, None)
     assert total <= forward + plain_two_step_total
-    assert (forward, total) == measure(3 * steps, checkpoints)[:2]
+    assert (forward, total) == measure(3 * steps, checkpoints, online)[:2]
 
 
 def test_memory_far_below_plain_loop() -> None:
-    forward, total, carry = measure(384, 6)
+    _, total, carry = measure(384, 6)
     plain_forward, plain_total, _ = measure(384, None)
     assert plain_forward == 385 * carry  # every step's output plus the linear outputs tanh does not keep
     assert total * 10 < plain_total  # measured: 19.8x less
@@ -266,11 +309,11 @@ def test_budget_smaller_than_two_carries_is_rejected() -> None:
 @pytest.mark.parametrize(
     "kwargs,error,message",
     [
-        (dict(steps=0, checkpoints=3), ValueError, r"steps must be >= 1; got steps=0"),
-        (dict(steps=5, checkpoints=0), ValueError, r"checkpoints must be >= 1; got checkpoints=0"),
-        (dict(steps=5, checkpoints=2.5), TypeError, r"checkpoints must be an int >= 1; got 2.5"),
-        (dict(steps=5), ValueError, r"pass exactly one of checkpoints= .* and budget_bytes="),
-        (dict(steps=5, checkpoints=2, budget_bytes=1024), ValueError, r"pass exactly one of"),
+        ({"steps": 0, "checkpoints": 3}, ValueError, r"steps must be >= 1; got steps=0"),
+        ({"steps": 5, "checkpoints": 0}, ValueError, r"checkpoints must be >= 1; got checkpoints=0"),
+        ({"steps": 5, "checkpoints": 2.5}, TypeError, r"checkpoints must be an int >= 1; got 2.5"),
+        ({"steps": 5}, ValueError, r"pass exactly one of checkpoints= .* and budget_bytes="),
+        ({"steps": 5, "checkpoints": 2, "budget_bytes": 1024}, ValueError, r"pass exactly one of"),
     ],
 )
 def test_bad_counts(kwargs: dict, error: type, message: str) -> None:

@@ -1,8 +1,9 @@
 """Checkpointed loops: run ``carry = step_fn(carry)`` many times holding only a few carries for backward.
 
 ``checkpointed_loop`` (known length) follows the binomial schedule of Griewank & Walther, "Algorithm
-799: Revolve" (2000); ``checkpointed_while`` (length unknown until ``cond_fn`` says stop) stores states
-online and reverses binomially once the length is known (see ``torchckpt.remat.revolve``).
+799: Revolve" (2000); ``checkpointed_while`` (length unknown until ``cond_fn`` says stop) places states
+online (Stumm & Walther 2010, see ``torchckpt.remat.online``) and reverses binomially once the length
+is known (see ``torchckpt.remat.revolve``).
 
 How it works (the rules the code keeps):
 
@@ -21,7 +22,9 @@ How it works (the rules the code keeps):
 4. A checkpoint stores the carry (aliases, no copy) and the RNG state before the next step (CPU, plus
    CUDA for the carry's CUDA devices), so recomputed dropout masks equal the forward's. The caller's
    RNG state is put back after each recomputation. Recomputation runs under the autocast settings
-   that were active when the loop was called.
+   that were active when the loop was called. ``checkpointed_while`` decides about x_c only once
+   ``cond_fn`` has accepted x_{c+1}, so it holds back x_c's snapshot (taken before step c+1) until
+   then: a ``store c`` then takes the held-back snapshot, any other ``store`` the live carry.
 5. Each recomputed step must save the same number of tensors with the same shapes as in the forward
    pass, and stored carries must not be modified in place; both are checked and raise otherwise.
 6. No global state: counts and the actions run are written to a ``LoopStats`` the caller passes in.
@@ -37,7 +40,7 @@ from typing import Any
 import torch
 
 from torchckpt._units import parse_bytes
-from torchckpt.remat.checkpoint import RematError, RecomputationMismatchError
+from torchckpt.remat.checkpoint import RecomputationMismatchError, RematError
 from torchckpt.remat.revolve import Action, CheckpointPlanner
 
 __all__ = ["LoopStats", "checkpointed_loop", "checkpointed_while"]
@@ -255,7 +258,7 @@ class _Snapshot:
 class _SavedSlot:
     """What autograd holds for one tensor saved inside a step (rule 2)."""
 
-    __slots__ = ("step", "index", "shape", "tensor")
+    __slots__ = ("index", "shape", "step", "tensor")
 
     def __init__(self, step: int, index: int, tensor: torch.Tensor) -> None:
         self.step = step
@@ -288,6 +291,7 @@ class _LoopRunner:
         self.requires_grad: list[tuple[bool, ...]] = []  # of x_{i}, as in the forward pass
         self.saved_counts: list[int] = []  # tensors saved by step i+1 in the forward pass
         self.newest_slots: list[_SavedSlot] = []
+        self.held_back: tuple[int, _Snapshot] | None = None  # the carry before the live one (rule 4)
         self.recomputed: tuple[int, list[torch.Tensor | None]] | None = None
         self.autocast = _AutocastState.capture()
 
@@ -296,7 +300,9 @@ class _LoopRunner:
         for action in actions:
             self.stats.add(action)
             if action.kind == "store":
-                self.store[action.stop] = self._snapshot(action.stop)
+                held_back = self.held_back
+                is_held_back = held_back is not None and held_back[0] == action.stop
+                self.store[action.stop] = held_back[1] if is_held_back else self._snapshot()
             elif action.kind == "free":
                 del self.store[action.stop]
             elif action.kind == "restore":
@@ -309,7 +315,8 @@ class _LoopRunner:
             else:
                 self._tape_step(action.stop)
 
-    def _snapshot(self, index: int) -> _Snapshot:
+    def _snapshot(self) -> _Snapshot:
+        """The live carry, with the RNG state before the next step."""
         leaves = tuple(t.detach() for t in self.current)
         rng = _RngState.capture(self.layout.cuda_devices) if self.preserve_rng_state else None
         return _Snapshot(leaves, tuple(t._version for t in leaves), rng)
@@ -497,11 +504,14 @@ def checkpointed_while(
 ) -> Carry:
     """``while cond_fn(carry) and n < max_steps: carry = step_fn(carry)``, holding few carries for backward.
 
-    The number of steps is found while running, so checkpoints are placed online: every new carry is
-    stored and, when ``checkpoints`` are held, one is evicted by level (Wang, Moin & Iaccarino 2009;
-    see ``revolve.CheckpointPlanner.after_step``). Backward is then the binomial reversal from the
-    carries left. ``cond_fn`` runs without grad and is not re-run in backward. Arguments and
-    guarantees are those of ``checkpointed_loop``; ``stats.steps`` tells how many steps ran.
+    The number of steps is found while running, so checkpoints are placed online, after Stumm &
+    Walther, "New algorithms for optimal online checkpointing" (2010), then Wang, Moin & Iaccarino
+    (2009) (see ``torchckpt.remat.online``). Backward is then the binomial reversal from the carries
+    held. Up to ``binom(checkpoints + 2, 2)`` steps this uses exactly as many ``step_fn`` calls as
+    ``checkpointed_loop`` would with the length known (the offline optimum); beyond, no step is
+    evaluated more often than there, but the total can be higher. ``cond_fn`` runs without grad and
+    is not re-run in backward. Arguments and gradient guarantees are those of ``checkpointed_loop``;
+    ``stats.steps`` tells how many steps ran.
 
     Example:
         >>> import torch
@@ -522,18 +532,27 @@ def checkpointed_while(
     step = 0
     while step < max_steps and _condition(cond_fn, layout.build(runner.current), step):
         if grad:
-            runner.execute(planner.start() if step == 0 else planner.after_step(step), forward=True)
+            runner.execute(_online_actions_before(planner, step), forward=True)
+            runner.held_back = (step, runner._snapshot()) if step >= 1 else None
             runner.execute([Action("advance", step, step + 1)], forward=True)
         else:
             runner.current = _advance_plain(runner, step + 1)
         step += 1
+    runner.held_back = None
     stats.steps = step
     if grad and step > 0:
-        *frees, tape = planner.end_forward(step)
+        (tape,) = planner.end_forward(step)
         if stats.record_actions:  # the last step ran as an advance; it is the taped one (rule 2)
             stats.actions[-1] = tape
-        runner.execute(frees, forward=True)
     return layout.build(runner.current)
+
+
+def _online_actions_before(planner: CheckpointPlanner, step: int) -> list[Action]:
+    """Before step ``step + 1`` runs: store x_0 first; later, the loop is known to run at least
+    ``step + 1`` steps, so x_{step-1}, the held-back carry, is offered (rule 4)."""
+    if step == 0:
+        return planner.start()
+    return planner.offer(step - 1) if step >= 2 else []
 
 
 def _advance_plain(runner: _LoopRunner, step: int) -> list[torch.Tensor]:

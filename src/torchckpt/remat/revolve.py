@@ -25,11 +25,12 @@ Rules this module keeps (our executor, ``torchckpt.remat.loop``, relies on each)
 4. Requests out of order (a second backward pass with ``retain_graph=True``) stay correct: they
    restart from the latest state still held, at the price of extra advances.
 
-The online variant (length unknown while running forward, ``checkpointed_while``) considers every new
-state and, when all slots are full, evicts one by level, after Wang, Moin & Iaccarino, "Minimal repetition
-dynamic checkpointing algorithm for unsteady adjoint calculation", SIAM J. Sci. Comput. 31(4), 2009;
-Stumm & Walther, "New algorithms for optimal online checkpointing", SIAM J. Sci. Comput. 32(2), 2010,
-analyse the same setting. Once the length is known the reversal is the offline binomial one.
+5. The online variant (length unknown while running forward, ``checkpointed_while``) offers each
+   state x_c once the loop is known to run at least c + 2 steps (``offer``); ``OnlinePlacement``
+   (``torchckpt.remat.online``: Stumm & Walther 2010, Algorithm 1, then Wang, Moin & Iaccarino 2009)
+   decides what to keep. The offered state is the one *before* the live carry, so its ``store``
+   action comes after the advance past it; the executor holds that carry until the decision. Once
+   the length is known the reversal is the offline binomial one from the states held.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ import json
 import math
 from collections.abc import Iterable
 from typing import Literal
+
+from torchckpt.remat.online import OnlinePlacement
 
 ActionKind = Literal["store", "restore", "free", "advance", "tape"]
 
@@ -255,8 +258,9 @@ class CheckpointPlanner:
     """Decides which states to store, restore and free; holds positions only, never tensors.
 
     Use ``start()`` once, then either ``forward(steps)`` (length known: Revolve's first sweep) or
-    ``after_step(i)`` for each new state (length unknown: online), then ``request(j)`` for each step j
-    whose graph the backward pass needs. Each call returns the actions to perform, in order.
+    ``offer(c)`` for c = 1, 2, ... and ``end_forward(steps)`` (length unknown: online, rule 5), then
+    ``request(j)`` for each step j whose graph the backward pass needs. Each call returns the actions
+    to perform, in order.
 
     Example:
         >>> p = CheckpointPlanner(2)
@@ -270,7 +274,7 @@ class CheckpointPlanner:
         _check_positive("checkpoints", checkpoints)
         self.checkpoints = checkpoints
         self._stored: list[int] = []  # sorted state indices
-        self._levels: dict[int, int] = {}  # online variant only
+        self._online = OnlinePlacement(checkpoints)  # used by the online variant only
         self._position: int | None = None  # index of the state the executor holds live, if any
 
     @property
@@ -281,7 +285,7 @@ class CheckpointPlanner:
     def start(self) -> list[Action]:
         """Store the initial state x_0 (rule 1: it takes one of the slots)."""
         self._stored = [0]
-        self._levels = {0: _PERMANENT, 1: 0}  # online set W: x_0 and the next state (see after_step)
+        self._online = OnlinePlacement(self.checkpoints)
         self._position = 0
         return [Action("store", 0, 0)]
 
@@ -331,67 +335,33 @@ class CheckpointPlanner:
         self._stored.sort()
         return Action("store", index, index)
 
-    def after_step(self, index: int) -> list[Action]:
-        """Online variant: x_``index`` is live and step ``index + 1`` will run; keep x_``index``?
+    def offer(self, index: int) -> list[Action]:
+        """Online variant: the loop runs at least ``index + 2`` steps; keep x_``index`` (rule 5)?
 
-        Levels after Wang, Moin & Iaccarino (2009). Their rule keeps a set ``W`` of ``checkpoints + 1``
-        states that always contains the newest one; here the newest is the live carry, and the last
-        step's graph comes from the forward pass, so only ``W`` minus the newest is stored. Admitting
-        a new state to a full ``W``: evict the latest *dispensable* state (one with a later state of
-        higher level) and give the new state level 0; with none dispensable, the newest state makes
-        way and the new one takes its level + 1. x_0 is never evicted.
-
-        The admission of x_{index+1} depends only on ``W`` now, so it is decided here, while
-        x_``index`` is still live and can be stored if it stays in ``W``.
+        x_``index + 1`` is live; x_``index`` is the carry the executor still holds. Offer 1, 2, 3, ...
+        in order. Returns a ``free`` of the evicted state and a ``store index``, either or both or none.
         """
         _check_positive("index", index)
-        evicted = self._admit(index + 1)
+        decision = self._online.offer(index)
         actions: list[Action] = []
-        if evicted is not None and evicted != index:
-            self._stored.remove(evicted)
-            actions.append(Action("free", evicted, evicted))
-        if index in self._levels:
+        if decision.evict is not None:
+            self._stored.remove(decision.evict)
+            actions.append(Action("free", decision.evict, decision.evict))
+        if decision.keep:
             actions.append(self._store(index))
-        self._position = index
+        self._position = index + 1
         return actions
-
-    def _admit(self, new: int) -> int | None:
-        """Add state ``new`` to ``W`` (the online set, newest included); return the state evicted."""
-        levels = self._levels
-        if len(levels) < self.checkpoints + 1:
-            levels[new] = 0
-            return None
-        victim = self._latest_dispensable()
-        level = 0
-        if victim is None:
-            victim = max(levels)
-            level = levels[victim] + 1
-        del levels[victim]
-        levels[new] = level
-        return victim
 
     def end_forward(self, steps: int) -> list[Action]:
         """Online variant: the loop ended after ``steps`` steps; x_``steps`` is the output.
 
         The last step's graph was recorded during the forward pass, so it counts as ``tape steps``.
+        Nothing needs freeing: only states up to x_``steps - 2`` were ever offered (rule 5).
         """
         _check_positive("steps", steps)
-        actions = [Action("free", i, i) for i in self._stored if i >= steps]
-        self._stored = [i for i in self._stored if i < steps]
+        assert all(i < steps - 1 for i in self._stored[1:]), "internal error: a state past x_{steps-2} is held"
         self._position = None
-        return actions + [Action("tape", steps - 1, steps)]
-
-    def _latest_dispensable(self) -> int | None:
-        highest_later = -1
-        for index in sorted(self._levels, reverse=True)[:-1]:  # x_0 (last) is never evicted
-            level = self._levels[index]
-            if level < highest_later:
-                return index
-            highest_later = max(highest_later, level)
-        return None
-
-
-_PERMANENT = 1 << 62
+        return [Action("tape", steps - 1, steps)]
 
 
 def revolve_schedule(steps: int, checkpoints: int) -> RevolveSchedule:
@@ -422,21 +392,24 @@ def revolve_schedule(steps: int, checkpoints: int) -> RevolveSchedule:
 def online_schedule(steps: int, checkpoints: int) -> RevolveSchedule:
     """The schedule ``checkpointed_while`` performs when its loop stops after ``steps`` steps.
 
-    The forward sweep stores states online (``CheckpointPlanner.after_step``), not knowing ``steps``;
-    the backward pass is the binomial one from the states left.
+    The forward sweep offers each state once the loop is known to run two steps past it (rule 5),
+    not knowing ``steps``; the backward pass is the binomial one from the states left. For
+    ``steps <= binom(checkpoints + 2, 2)`` the count equals ``optimal_step_evaluations``.
 
     Example:
         >>> online_schedule(4, 2).lines()[:6]
-        ['store 0', 'advance 0->1', 'store 1', 'advance 1->2', 'advance 2->3', 'free 1']
+        ['store 0', 'advance 0->1', 'advance 1->2', 'store 1', 'advance 2->3', 'tape 4']
+        >>> online_schedule(6, 2).step_evaluations == optimal_step_evaluations(6, 2) == 14
+        True
     """
     _check_positive("steps", steps)
     _check_positive("checkpoints", checkpoints)
     planner = CheckpointPlanner(checkpoints)
     actions = planner.start()
-    for index in range(1, steps + 1):
-        actions += [Action("advance", index - 1, index)] if index < steps else []
-        if index < steps:
-            actions += planner.after_step(index)
+    for index in range(1, steps):  # the last step runs as the forward's tape, added by end_forward
+        actions.append(Action("advance", index - 1, index))
+        if index >= 2:
+            actions += planner.offer(index - 1)
     actions += planner.end_forward(steps)
     forward_actions = len(actions)
     for step in range(steps - 1, 0, -1):
