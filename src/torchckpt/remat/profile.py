@@ -362,7 +362,7 @@ def profile(
     runner.clear_grads()
     times = _block_times(block_list, runner, repeats)
     costs = _assemble(plain, recomputed, times, step_time_s, [type(b).__name__ for b in block_list])
-    if costs.notes["chain"] == "yes" and len(block_list) > 1:
+    if costs.chain and len(block_list) > 1:
         costs = replace(costs, region_recompute_bytes=_region_residue(runner, block_list, costs))
     return costs
 
@@ -425,29 +425,55 @@ def _assemble(plain: _Probe, recomputed: _Probe, times: list[float], step_time_s
     fixed = traces[0].before_forward - traces[0].input_bytes
     plain_peak = max([plain.head_peak] + [t.forward_peak for t in traces] + [t.backward_peak or 0 for t in traces])
     headroom = HEADROOM_BYTES + int(HEADROOM_FRACTION * max(0, plain_peak - fixed))
-    saved = [max(0, t.after_forward - t.before_forward - t.output_bytes) for t in traces]
+    # Regions need the blocks to be called as a chain: each block's first input is the previous output.
+    chain = all(traces[k + 1].input_id == traces[k].output_id for k in range(n - 1))
+    if chain:
+        inputs = [t.input_bytes for t in traces]
+        saved = [max(0, t.after_forward - t.before_forward - t.output_bytes) for t in traces]
+    else:
+        inputs, saved = _held_between_blocks(plain, recomputed, fixed)
     last_output = traces[-1].output_bytes
-    held_before = [sum(traces[k].input_bytes + saved[k] for k in range(i)) for i in range(n)]
-    head = max(0, plain.head_peak - fixed - held_before[-1] - traces[-1].input_bytes - saved[-1])
+    held_before = [sum(inputs[k] + saved[k] for k in range(i)) for i in range(n)]
+    head = max(0, plain.head_peak - fixed - held_before[-1] - inputs[-1] - saved[-1])
     blocks = []
     for i, trace in enumerate(traces):
         incoming = 0 if i == n - 1 else trace.output_bytes
-        base = fixed + last_output + held_before[i] + trace.input_bytes + saved[i] + incoming
+        base = fixed + last_output + held_before[i] + inputs[i] + saved[i] + incoming
         backward = max(0, (trace.backward_peak or 0) - base)
-        forward = max(0, trace.forward_peak - (fixed + held_before[i] + trace.input_bytes))
+        forward = max(0, trace.forward_peak - (fixed + held_before[i] + inputs[i]))
         ckpt_trace = recomputed.traces[i]
-        ckpt_held = sum(recomputed.traces[k].input_bytes for k in range(i))
-        ckpt_base = fixed + last_output + ckpt_held + trace.input_bytes + saved[i] + incoming + backward
+        ckpt_held = sum(inputs[:i])
+        ckpt_base = fixed + last_output + ckpt_held + inputs[i] + saved[i] + incoming + backward
         recompute = max(0, (ckpt_trace.backward_peak or 0) - ckpt_base)
         op_time_total = sum(op["time_s"] for op in trace.ops) or 1.0
         ops = tuple(OpCosts(index=op["index"], name=op["name"], output_bytes=op["output_bytes"],
                             saved=op["saved"] and not op.get("mutated", False),
                             time_s=op["time_s"] * times[i] / op_time_total) for op in trace.ops)
-        blocks.append(BlockCosts(name=f"{i}:{names[i]}", input_bytes=trace.input_bytes,
+        blocks.append(BlockCosts(name=f"{i}:{names[i]}", input_bytes=inputs[i],
                                  output_bytes=trace.output_bytes, saved_bytes=saved[i], forward_time_s=times[i],
                                  forward_peak_bytes=forward, backward_peak_bytes=backward,
                                  recompute_peak_bytes=recompute, ops=ops))
-    # Regions need the blocks to be called as a chain: each block's first input is the previous output.
-    chain = all(traces[k + 1].input_id == traces[k].output_id for k in range(n - 1))
     return ChainCosts(fixed_bytes=fixed + headroom, head_bytes=head, blocks=tuple(blocks), step_time_s=step_time_s,
-                      notes={"chain": "yes" if chain else "no", "headroom_bytes": str(headroom)})
+                      chain=chain, notes={"headroom_bytes": str(headroom)})
+
+
+def _held_between_blocks(plain: _Probe, recomputed: _Probe, fixed: int) -> tuple[list[int], list[int]]:
+    """Per block, the bytes held through the backward pass when checkpointed and the extra when plain.
+
+    For blocks that are not called as a chain (U-Net skips, an encoder's output read by every decoder
+    block) the code between blocks keeps tensors too: a pooled skip's input, a concatenation, the encoder
+    output. ``H_i``, what is held before block ``i`` starts beyond ``fixed`` and its input, is read at each
+    block boundary of both measured steps; block ``i`` is charged ``H_{i+1} - H_i`` (with ``H_n`` read
+    after the last block, less its output), so the all-plain and all-checkpointed plans telescope to the
+    measured figures exactly whatever the code between blocks keeps.
+    """
+    def held(probe: _Probe) -> list[int]:
+        traces = probe.traces
+        before = [t.before_forward - fixed - t.input_bytes for t in traces]
+        return before + [traces[-1].after_forward - fixed - traces[-1].output_bytes]
+
+    plain_held, ckpt_held = held(plain), held(recomputed)
+    n = len(plain.traces)
+    inputs = [max(0, ckpt_held[i + 1] - ckpt_held[i]) for i in range(n)]
+    saved = [max(0, plain_held[i + 1] - plain_held[i] - inputs[i]) for i in range(n)]
+    return inputs, saved
