@@ -28,8 +28,8 @@ The peak model the solver evaluates (numbered so that solver, profiler and tests
    (+ y_i unless i is block n-1, whose incoming gradient is already in C)``.
    A region's inside is evaluated as a chain with ``C' = C + H + region_recompute_bytes``, where
    ``region_recompute_bytes`` (a ChainCosts field) is what recomputing a region keeps alive beyond its
-   blocks' own costs. The profiler measures it on a region over blocks ``0..n-2`` followed by a plain
-   last block, and adds one block output, which measurements with checkpointed blocks nested in a
+   blocks' own costs. The profiler measures it on a region over blocks ``0`` and ``1`` followed by plain
+   blocks, and adds one block output, which measurements with checkpointed blocks nested in a
    region showed alive as well (see ``profile._region_residue``). The gradient arriving at a region is
    otherwise counted by its last block as ``y_i``.
 6. The forward pass of a piece peaks at ``C + H + g + x_i + forward_peak_bytes_i`` for a single block
