@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from torchckpt.models import gpt, mlp
+from torchckpt.models import gpt, mlp, unet
 from torchckpt.remat.blocks import find_blocks
 from torchckpt.remat.plan import Plan, PlanMismatchError, fingerprint
 
@@ -125,3 +125,16 @@ def test_regions_keep_tuple_outputs_and_leave_nothing_behind() -> None:
         assert kept["shape_of_output"] == {}  # nothing of the region's output (or its graph) kept after the step
     got = [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_find_blocks_uses_a_models_own_block_list() -> None:
+    model = unet("tiny")
+    name, blocks = find_blocks(model)
+    assert name == "torchckpt_blocks()" and blocks == [*model.down, model.mid, *model.up]
+
+    class Broken(torch.nn.Module):
+        def torchckpt_blocks(self) -> list:
+            return ["not a module"]
+
+    with pytest.raises(ValueError, match="torchckpt_blocks"):
+        find_blocks(Broken())

@@ -18,5 +18,5 @@ def block_modules(model: GPT | UNet | MLP) -> list:
     if isinstance(model, (GPT, MLP)):
         return list(model.blocks)
     if isinstance(model, UNet):
-        return [*model.down, model.mid, *model.up]
+        return model.torchckpt_blocks()
     raise TypeError(f"block_modules: expected a built-in model (GPT, UNet, MLP); got {type(model).__name__}")

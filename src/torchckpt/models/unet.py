@@ -115,6 +115,15 @@ class UNet(nn.Module):
             return prediction
         return F.mse_loss(prediction, target)
 
+    def torchckpt_blocks(self) -> list[nn.Module]:
+        """The blocks in forward order, for ``blocks="auto"``: down, middle, up (see remat.blocks).
+
+        Example:
+            >>> len(unet("tiny").torchckpt_blocks())
+            5
+        """
+        return [*self.down, self.mid, *self.up]
+
     def example_batch(self, batch_size: int = 8, image_size: int = 64, seed: int = 0,
                       device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Noisy images and their clean targets: ``model(*batch)`` is the loss.

@@ -1,8 +1,14 @@
-"""Find a model's repeated blocks: the longest ModuleList/Sequential of structurally equal modules.
+"""Find a model's repeated blocks: the longest run of same-class modules in a ModuleList/Sequential.
 
-Structurally equal means the same module types, nested the same way, with parameters of the same
-shapes and dtypes (HF ``model.layers``, GPT-2 ``transformer.h``, BERT ``encoder.layer``, the built-in
-models' ``blocks``). Ties go to the container found first in ``named_modules`` order.
+HF ``model.layers``, GPT-2 ``transformer.h``, BERT ``encoder.layer``, the built-in models' ``blocks``.
+Blocks of one class may differ in parameters (T5's first block also holds the relative position
+bias). Encoder-decoder models have two such containers of equal length (T5 ``encoder.block`` and
+``decoder.block``): every container whose run is as long as the longest is taken, in
+``named_modules`` order, which is their forward order in these models.
+
+A model whose blocks are not one such run (the U-Net's down, middle and up blocks have different
+widths) names them itself: a method ``torchckpt_blocks()`` returning its blocks in forward order is
+used instead of the search.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ def structure_key(module: nn.Module) -> tuple:
 def _runs(children: Sequence[nn.Module]) -> list[list[nn.Module]]:
     runs: list[list[nn.Module]] = []
     for child in children:
-        if runs and structure_key(runs[-1][0]) == structure_key(child):
+        if runs and type(runs[-1][0]) is type(child):
             runs[-1].append(child)
         else:
             runs.append([child])
@@ -39,9 +45,9 @@ def _runs(children: Sequence[nn.Module]) -> list[list[nn.Module]]:
 
 
 def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
-    """Return ``(container_name, blocks)``: the longest run of structurally equal modules in a container.
+    """Return ``(container_name, blocks)``: the longest run of same-class modules in a container (or two).
 
-    Raises ValueError naming ``blocks=`` when the model has no container with two or more equal modules.
+    Raises ValueError naming ``blocks=`` when no container holds two or more modules of one class.
 
     Example:
         >>> from torchckpt.models import gpt
@@ -51,15 +57,28 @@ def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"find_blocks: expected an nn.Module; got {type(model).__name__}")
-    best: tuple[str, list[nn.Module]] = ("", [])
+    named = getattr(model, "torchckpt_blocks", None)
+    if callable(named):
+        blocks = list(named())
+        if not blocks or not all(isinstance(block, nn.Module) for block in blocks):
+            raise ValueError(f"{type(model).__name__}.torchckpt_blocks() must return a non-empty list of modules")
+        return "torchckpt_blocks()", blocks
+    found: list[tuple[str, list[nn.Module]]] = []  # the longest run of each container
     for name, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            for run in _runs(list(module.children())):
-                if len(run) > len(best[1]):
-                    best = (name, run)
-    if len(best[1]) < 2:
+            runs = _runs(list(module.children()))
+            if runs:
+                found.append((name, max(runs, key=len)))
+    longest = max((len(run) for _, run in found), default=0)
+    chosen: list[tuple[str, list[nn.Module]]] = []
+    for name, run in found:
+        inside_chosen = any(name.startswith(f"{other}.") for other, _ in chosen)
+        if len(run) == longest and not inside_chosen:
+            chosen.append((name, run))
+    best = ("+".join(name for name, _ in chosen), [block for _, run in chosen for block in run])
+    if longest < 2:
         raise ValueError(
-            f"{type(model).__name__} has no ModuleList or Sequential of two or more structurally equal modules, so "
+            f"{type(model).__name__} has no ModuleList or Sequential holding two or more modules of one class, so "
             "torchckpt cannot find its repeated blocks; pass them explicitly, e.g. "
             "torchckpt.plan(model, inputs, budget='6GiB', blocks=list(model.encoder.layers))")
     return best

@@ -10,6 +10,10 @@ The peak model the solver evaluates (numbered so that solver, profiler and tests
    of blocks ``0..n-1``.
    Block ``i`` reads ``x_i = blocks[i].input_bytes`` and produces ``y_i = blocks[i].output_bytes``
    (``y_i == x_{i+1}``). The gradient of a tensor has the tensor's size.
+   A model whose code between blocks is not a plain chain (U-Net skips, an encoder output read by
+   every decoder block) has ``chain=False``: then ``x_i`` is what block ``i`` holds when checkpointed
+   (its input plus what the code after it keeps, measured at block boundaries), ``y_i`` need not equal
+   ``x_{i+1}``, and plans have single blocks only (no regions).
 2. A plan is a sequence of pieces covering the chain in order. A piece is a single block with a menu
    option, or a region of consecutive blocks checkpointed as a whole whose inside is again a plan.
 3. After its forward pass a piece holds: a plain block ``x_i + saved_bytes``; a checkpointed block
@@ -24,8 +28,8 @@ The peak model the solver evaluates (numbered so that solver, profiler and tests
    (+ y_i unless i is block n-1, whose incoming gradient is already in C)``.
    A region's inside is evaluated as a chain with ``C' = C + H + region_recompute_bytes``, where
    ``region_recompute_bytes`` (a ChainCosts field) is what recomputing a region keeps alive beyond its
-   blocks' own costs. The profiler measures it on a region over blocks ``0..n-2`` followed by a plain
-   last block, and adds one block output, which measurements with checkpointed blocks nested in a
+   blocks' own costs. The profiler measures it on a region over blocks ``0`` and ``1`` followed by plain
+   blocks, and adds one block output, which measurements with checkpointed blocks nested in a
    region showed alive as well (see ``profile._region_residue``). The gradient arriving at a region is
    otherwise counted by its last block as ``y_i``.
 6. The forward pass of a piece peaks at ``C + H + g + x_i + forward_peak_bytes_i`` for a single block
@@ -110,6 +114,7 @@ class ChainCosts:
     blocks: tuple[BlockCosts, ...]
     region_recompute_bytes: int = 0
     step_time_s: float = 0.0
+    chain: bool = True
     notes: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -118,10 +123,13 @@ class ChainCosts:
         blocks = tuple(b if isinstance(b, BlockCosts) else BlockCosts(**b) for b in self.blocks)
         if not blocks:
             raise ValueError("ChainCosts.blocks is empty: a cost model needs at least one block")
-        for before, after in zip(blocks, blocks[1:]):
+        if not isinstance(self.chain, bool):
+            raise ValueError(f"ChainCosts.chain must be a bool; got {self.chain!r}")
+        for before, after in zip(blocks, blocks[1:] if self.chain else ()):
             if before.output_bytes != after.input_bytes:
                 raise ValueError(f"ChainCosts: block {before.name!r} outputs {before.output_bytes} bytes but the next "
-                                 f"block {after.name!r} reads {after.input_bytes}; blocks must form a chain")
+                                 f"block {after.name!r} reads {after.input_bytes}; blocks must form a chain "
+                                 "(or pass chain=False: then regions are not allowed)")
         object.__setattr__(self, "blocks", blocks)
 
     def to_json(self) -> str:

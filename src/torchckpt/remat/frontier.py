@@ -98,7 +98,7 @@ def reference_schedules(costs: ChainCosts) -> dict[str, tuple]:
         "checkpoint every block": tuple(solver.Single(block=i, option=keep_nothing[i]) for i in range(n)),
     }
     segments = max(1, round(math.sqrt(n)))
-    if n >= 2 and segments >= 2 and costs.notes.get("chain", "yes") == "yes":
+    if n >= 2 and segments >= 2 and costs.chain:
         bounds = [round(i * n / segments) for i in range(segments + 1)]
         pieces: list[Any] = []
         for start, stop in zip(bounds[:-2], bounds[1:-1]):  # like torch: the last segment runs plainly

@@ -75,8 +75,7 @@ def plan_from_costs(costs: ChainCosts, budget: int | str, *, block_paths: Sequen
                     model_fingerprint: dict[str, Any]) -> Plan:
     """Solve an already measured cost model for ``budget`` (used by plan() and frontier sweeps)."""
     budget_bytes = resolve_budget(budget, costs)
-    allow_regions = costs.notes.get("chain", "yes") == "yes"
-    solution = solver.solve(costs, budget_bytes, allow_regions=allow_regions)
+    solution = solver.solve(costs, budget_bytes)
     menus = [solver.block_menu(block) for block in costs.blocks]
     plain_peak, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
     return Plan(budget_bytes=budget_bytes, predicted_peak_bytes=int(solution.predicted_peak_bytes),

@@ -2,9 +2,11 @@
 
 How each figure of ``costs.py`` is obtained (rules of that module in brackets):
 
-1. Two real training steps run under a ``MemoryMeter``: one plain, one with every block checkpointed
-   (keep nothing). Hooks mark each block's forward (pre/post hooks) and backward (a gradient hook on
-   the block's output marks its start, one on its input its end); the meter's peak is read between marks.
+1. Two real training steps run under a ``MemoryMeter``: one with every block checkpointed (keep
+   nothing), which is also the warm-up (the optimizer's state is created after it, so its figures are
+   taken relative to its own ``fixed``), then one plain. Hooks mark each block's forward (pre/post hooks)
+   and backward (a gradient hook on the block's output marks its start, one on its input its end); the
+   meter's peak is read between marks.
 2. ``fixed_bytes`` is what is live when block 0 starts, minus block 0's input, plus a headroom;
    ``saved_bytes`` is what a
    block's forward leaves behind minus its output [3]; ``head_bytes`` is the peak between the last
@@ -16,8 +18,10 @@ How each figure of ``costs.py`` is obtained (rules of that module in brackets):
 4. Ops are recorded inside each block's plain forward with the executor's own numbering (``aten.detach``
    skipped, ``tag`` visible as in a checkpointed region), so ``save_ops`` indices in a plan refer to them.
    An op is ``saved`` when autograd saves a tensor whose storage the op created. Op times are measured
-   with the recorder on and scaled so that they sum to the block's forward time, which is timed
-   separately (median of repeats, once per structurally equal block with equal input shape).
+   with the recorder on and scaled so that they sum to the block's forward time: the lesser of its two
+   hook-timed forwards, then the median over structurally equal blocks with equal input shapes. The
+   step time is the checkpointed step's less its blocks' forwards (an estimate: no extra plain step
+   runs, which keeps profiling within five training steps).
 """
 
 from __future__ import annotations
@@ -128,9 +132,11 @@ class _BlockTrace:
     before_forward: int = 0
     after_forward: int = 0
     forward_peak: int = 0
+    forward_s: float = 0.0
     backward_peak: int | None = None
     calls: int = 0
     input_id: int = 0
+    input_shape: tuple = ()
     output_id: int = 0
     ops: list[dict] = field(default_factory=list)
 
@@ -211,8 +217,10 @@ class _Probe:
             x = _first_tensor((args, kwargs))
             trace.input_bytes = _nbytes(x)
             trace.input_id = id(x)
+            trace.input_shape = tuple(x.shape) if x is not None else ()
             trace.before_forward = self.meter.current_bytes
             self.meter.reset_peak()
+            trace.forward_s = time.perf_counter()
             if x is not None and x.requires_grad:
                 self._handles.append(x.register_hook(self._backward_end(i)))
             if self.recorder is not None:
@@ -223,6 +231,7 @@ class _Probe:
     def _post(self, i: int) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             trace = self.traces[i]
+            trace.forward_s = time.perf_counter() - trace.forward_s
             if self.recorder is not None:
                 self.recorder.block = None
                 TAG_STATE.active_regions -= 1
@@ -289,42 +298,16 @@ def _measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: b
     return probe
 
 
-def _time_forward(block: nn.Module, args: tuple, kwargs: dict, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = block(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and out.is_cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        del out
-    return statistics.median(times)
-
-
-def _block_times(blocks: Sequence[nn.Module], runner: StepRunner, repeats: int) -> list[float]:
-    """Forward time of each block (with autograd recording), once per structure and input shape."""
-    captured: dict[int, tuple[tuple, dict]] = {}
-    keys: list[tuple] = []
-    handles = []
-    for i, block in enumerate(blocks):
-        def grab(module: nn.Module, args: tuple, kwargs: dict, i: int = i) -> None:
-            x = _first_tensor((args, kwargs))
-            key = (structure_key(module), tuple(x.shape) if x is not None else ())
-            keys.append(key)
-            if key not in {keys[j] for j in captured}:
-                captured[i] = (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs))
-        handles.append(block.register_forward_pre_hook(grab, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            if isinstance(runner.example_inputs, dict):
-                runner.model(**runner.example_inputs)
-            else:
-                runner.model(*runner.example_inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    by_key = {keys[i]: _time_forward(blocks[i], *captured[i], repeats) for i in captured}
-    return [by_key[key] for key in keys]
+def _block_times(blocks: Sequence[nn.Module], *probes: _Probe) -> list[float]:
+    """Forward time of each block: per block the least over the measured steps, then the median over
+    structurally equal blocks with equal input shapes (one figure per kind of block, robust to noise)."""
+    shapes = [tuple(trace.input_shape) for trace in probes[0].traces]
+    keys = [(structure_key(block), shape) for block, shape in zip(blocks, shapes)]
+    least = [min(probe.traces[i].forward_s for probe in probes) for i in range(len(blocks))]
+    by_key: dict[tuple, list[float]] = {}
+    for key, seconds in zip(keys, least):
+        by_key.setdefault(key, []).append(seconds)
+    return [statistics.median(by_key[key]) for key in keys]
 
 
 def profile(
@@ -334,13 +317,14 @@ def profile(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     blocks: str | Sequence[nn.Module] = "auto",
-    repeats: int = 3,
 ) -> ChainCosts:
     """Measure ``model`` on ``example_inputs`` and return its cost model.
 
-    Runs a warm-up step (with ``optimizer``: a real optimizer step, so its state exists as it will in
-    training), one measured plain step, one measured step with every block checkpointed, and timed block
-    forwards. Gradients are cleared afterwards; parameters change only through the optimizer warm-up.
+    Runs three training steps, all under the meter: every block checkpointed (keep nothing), which also
+    warms up (with ``optimizer`` it is followed by a real optimizer step, so its state exists as it will
+    in training); a plain step with the op recorder; and, when the blocks form a chain, one with a
+    region of blocks to calibrate ``region_recompute_bytes``. Block forward times come from the hooks of
+    the first two. Gradients are cleared afterwards; parameters change only through the optimizer step.
 
     Example:
         >>> from torchckpt.models import gpt
@@ -352,28 +336,29 @@ def profile(
     block_list = _resolve_blocks(model, blocks)
     runner = StepRunner(model, example_inputs, loss_fn, optimizer)
     start = time.perf_counter()
-    runner.forward_backward()
-    runner.optimizer_step()
-    step_time_s = time.perf_counter() - start
-    plain = _measure_step(runner, block_list, record_ops=True)
-    runner.clear_grads()
     with checkpoint_modules(block_list, policy="nothing_saveable"):
         recomputed = _measure_step(runner, block_list, record_ops=False)
+    recomputed_step_s = time.perf_counter() - start
+    runner.optimizer_step()
+    plain = _measure_step(runner, block_list, record_ops=True)
     runner.clear_grads()
-    times = _block_times(block_list, runner, repeats)
+    times = _block_times(block_list, recomputed, plain)
+    # The checkpointed step ran every block's forward twice; without the recomputation it is a plain step.
+    step_time_s = max(recomputed_step_s - sum(times), sum(times))
     costs = _assemble(plain, recomputed, times, step_time_s, [type(b).__name__ for b in block_list])
-    if costs.notes["chain"] == "yes" and len(block_list) > 1:
+    if costs.chain and len(block_list) > 1:
         costs = replace(costs, region_recompute_bytes=_region_residue(runner, block_list, costs))
     return costs
 
 
 def _region_residue(runner: StepRunner, blocks: list[nn.Module], costs: ChainCosts) -> int:
-    """Measure one step with blocks 0..n-2 as one region (plain inside) and the last block plain; return
+    """Measure one step with blocks 0 and 1 as one region (plain inside) and the other blocks plain; return
     the measured peak above what the solver's evaluator predicts for that schedule without
     ``region_recompute_bytes``. A region that is not the last piece is the common case in plans, and its
-    recomputation also keeps the gradient arriving at the region alive; the residue absorbs it."""
+    recomputation also keeps the gradient arriving at the region alive; the residue absorbs it. (Two
+    blocks keep this step's recomputation short; with two blocks in all the region covers both.)"""
     n = len(blocks)
-    stop = n - 1 if n >= 3 else n
+    stop = 2
     inner = [{"block": i, "plain": True} for i in range(stop)]
     wrapped: list[nn.Module] = []
     _wrap_region({"region": [0, stop], "inner": inner}, blocks, wrapped)
@@ -423,31 +408,60 @@ def _assemble(plain: _Probe, recomputed: _Probe, times: list[float], step_time_s
               names: list[str]) -> ChainCosts:
     traces, n = plain.traces, len(plain.traces)
     fixed = traces[0].before_forward - traces[0].input_bytes
+    ckpt_fixed = recomputed.traces[0].before_forward - traces[0].input_bytes
     plain_peak = max([plain.head_peak] + [t.forward_peak for t in traces] + [t.backward_peak or 0 for t in traces])
     headroom = HEADROOM_BYTES + int(HEADROOM_FRACTION * max(0, plain_peak - fixed))
-    saved = [max(0, t.after_forward - t.before_forward - t.output_bytes) for t in traces]
+    # Regions need the blocks to be called as a chain: each block's first input is the previous output.
+    chain = all(traces[k + 1].input_id == traces[k].output_id for k in range(n - 1))
+    if chain:
+        inputs = [t.input_bytes for t in traces]
+        saved = [max(0, t.after_forward - t.before_forward - t.output_bytes) for t in traces]
+    else:
+        inputs, saved = _held_between_blocks(plain, recomputed, fixed, ckpt_fixed)
     last_output = traces[-1].output_bytes
-    held_before = [sum(traces[k].input_bytes + saved[k] for k in range(i)) for i in range(n)]
-    head = max(0, plain.head_peak - fixed - held_before[-1] - traces[-1].input_bytes - saved[-1])
+    held_before = [sum(inputs[k] + saved[k] for k in range(i)) for i in range(n)]
+    head = max(0, plain.head_peak - fixed - held_before[-1] - inputs[-1] - saved[-1])
     blocks = []
     for i, trace in enumerate(traces):
         incoming = 0 if i == n - 1 else trace.output_bytes
-        base = fixed + last_output + held_before[i] + trace.input_bytes + saved[i] + incoming
+        base = fixed + last_output + held_before[i] + inputs[i] + saved[i] + incoming
         backward = max(0, (trace.backward_peak or 0) - base)
-        forward = max(0, trace.forward_peak - (fixed + held_before[i] + trace.input_bytes))
+        # Rule 6 counts C, which holds the last block's output gradient; that is not alive in the forward pass.
+        forward = max(0, trace.forward_peak - (fixed + last_output + held_before[i] + inputs[i]))
         ckpt_trace = recomputed.traces[i]
-        ckpt_held = sum(recomputed.traces[k].input_bytes for k in range(i))
-        ckpt_base = fixed + last_output + ckpt_held + trace.input_bytes + saved[i] + incoming + backward
+        ckpt_held = sum(inputs[:i])
+        ckpt_base = ckpt_fixed + last_output + ckpt_held + inputs[i] + saved[i] + incoming + backward
         recompute = max(0, (ckpt_trace.backward_peak or 0) - ckpt_base)
         op_time_total = sum(op["time_s"] for op in trace.ops) or 1.0
         ops = tuple(OpCosts(index=op["index"], name=op["name"], output_bytes=op["output_bytes"],
                             saved=op["saved"] and not op.get("mutated", False),
                             time_s=op["time_s"] * times[i] / op_time_total) for op in trace.ops)
-        blocks.append(BlockCosts(name=f"{i}:{names[i]}", input_bytes=trace.input_bytes,
+        blocks.append(BlockCosts(name=f"{i}:{names[i]}", input_bytes=inputs[i],
                                  output_bytes=trace.output_bytes, saved_bytes=saved[i], forward_time_s=times[i],
                                  forward_peak_bytes=forward, backward_peak_bytes=backward,
                                  recompute_peak_bytes=recompute, ops=ops))
-    # Regions need the blocks to be called as a chain: each block's first input is the previous output.
-    chain = all(traces[k + 1].input_id == traces[k].output_id for k in range(n - 1))
     return ChainCosts(fixed_bytes=fixed + headroom, head_bytes=head, blocks=tuple(blocks), step_time_s=step_time_s,
-                      notes={"chain": "yes" if chain else "no", "headroom_bytes": str(headroom)})
+                      chain=chain, notes={"headroom_bytes": str(headroom)})
+
+
+def _held_between_blocks(plain: _Probe, recomputed: _Probe, fixed: int,
+                         ckpt_fixed: int) -> tuple[list[int], list[int]]:
+    """Per block, the bytes held through the backward pass when checkpointed and the extra when plain.
+
+    For blocks that are not called as a chain (U-Net skips, an encoder's output read by every decoder
+    block) the code between blocks keeps tensors too: a pooled skip's input, a concatenation, the encoder
+    output. ``H_i``, what is held before block ``i`` starts beyond ``fixed`` and its input, is read at each
+    block boundary of both measured steps; block ``i`` is charged ``H_{i+1} - H_i`` (with ``H_n`` read
+    after the last block, less its output), so the all-plain and all-checkpointed plans telescope to the
+    measured figures exactly whatever the code between blocks keeps.
+    """
+    def held(probe: _Probe, fixed: int) -> list[int]:
+        traces = probe.traces
+        before = [t.before_forward - fixed - t.input_bytes for t in traces]
+        return before + [traces[-1].after_forward - fixed - traces[-1].output_bytes]
+
+    plain_held, ckpt_held = held(plain, fixed), held(recomputed, ckpt_fixed)
+    n = len(plain.traces)
+    inputs = [max(0, ckpt_held[i + 1] - ckpt_held[i]) for i in range(n)]
+    saved = [max(0, plain_held[i + 1] - plain_held[i] - inputs[i]) for i in range(n)]
+    return inputs, saved

@@ -271,7 +271,7 @@ def solve(costs: ChainCosts, budget_bytes: int, *, allow_regions: bool = True,
           memory_slots: int = DEFAULT_MEMORY_SLOTS) -> Solution:
     """The schedule with the least predicted extra time whose predicted peak is within ``budget_bytes``.
 
-    ``allow_regions=False`` plans single blocks only (for models that are not a plain chain).
+    ``allow_regions=False`` plans single blocks only; so does a cost model with ``chain=False``.
     ``memory_slots`` sets the memory grid (see the module docstring); the result is always re-checked
     with ``evaluate``. Raises ``InfeasibleBudgetError`` when ``budget_bytes < floor_bytes(costs)``.
 
@@ -289,6 +289,7 @@ def solve(costs: ChainCosts, budget_bytes: int, *, allow_regions: bool = True,
     if not isinstance(memory_slots, int) or isinstance(memory_slots, bool) or memory_slots < 1:
         raise ValueError(f"memory_slots must be an int >= 1; got {memory_slots!r}")
     chain = Chain.of(costs)
+    allow_regions = bool(allow_regions) and costs.chain
     plain = tuple(Single(block=i, option=0) for i in range(chain.n))
     peak, extra_s, _ = _evaluate(chain, plain)
     if peak <= budget_bytes:

@@ -67,6 +67,10 @@ def _walk(chain: Chain, pieces: Sequence[Piece], start: int, stop: int, context:
             held += chain.held_bytes(piece.block, option)
             costs_s.append(option.recompute_s)
         else:
+            if not chain.costs.chain:
+                raise ValueError(f"{where}[{k}] is Region({piece.start}, {piece.stop}) but the cost model has "
+                                 f"chain=False (the model's code between blocks is not a plain chain), so only "
+                                 f"single blocks can be planned")
             if inside is not None and (piece.start, piece.stop) == (inside.start, inside.stop):
                 raise ValueError(f"{where}[{k}] is Region({piece.start}, {piece.stop}) inside itself: wrapping a "
                                  f"region in itself only adds recompute time; put its inner pieces directly")

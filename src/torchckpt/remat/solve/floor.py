@@ -103,7 +103,7 @@ def _inside_plan(chain: Chain, inside: np.ndarray, region_forward: np.ndarray, s
 def min_peak_schedule(chain: Chain, *, allow_regions: bool = True) -> tuple[int, tuple[Piece, ...]]:
     """The floor and one schedule reaching it."""
     region_forward = chain.region_forward_table()
-    inside = _inside_table(chain, region_forward) if allow_regions and chain.n >= 2 else None
+    inside = _inside_table(chain, region_forward) if allow_regions and chain.costs.chain and chain.n >= 2 else None
     top, choice = _top_table(chain, inside, region_forward)
     pieces: list[Piece] = []
     s = 0
