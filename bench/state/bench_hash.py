@@ -18,7 +18,7 @@ import time
 import torch
 
 from torchckpt.state import Checkpointer
-from torchckpt.state.format import HASH_FUNCTIONS, hash_bytes
+from torchckpt.state.format import HASH_ALGORITHMS, hash_bytes
 from torchckpt.state.storage import LocalStorage
 
 
@@ -33,7 +33,7 @@ def _median_s(action, repeats: int) -> float:
 
 def _available_algorithms() -> list[str]:
     names = []
-    for name in HASH_FUNCTIONS:
+    for name in HASH_ALGORITHMS:
         try:
             hash_bytes(b"x", name)
             names.append(name)
@@ -47,7 +47,7 @@ def _write_time_s(data: bytes, directory: str, repeats: int) -> float:
 
     def write_one() -> None:
         writer = storage.begin_step(0)
-        writer.write("blob.safetensors", data)
+        writer.write("blob.safetensors", [data], len(data))
         writer.abort()
 
     return _median_s(write_one, repeats)
@@ -85,7 +85,7 @@ def main() -> None:
     write_s = _write_time_s(data, directory, args.repeats)
     rows = []
     for name in _available_algorithms():
-        hash_s = _median_s(lambda: hash_bytes(data, name), args.repeats)
+        hash_s = _median_s(lambda name=name: hash_bytes(data, name), args.repeats)
         rows.append({"algorithm": name, "hash_mib_per_s": args.mib / hash_s, "hash_s": hash_s,
                      "write_fsync_s": write_s, "hash_over_write": hash_s / write_s})
     model = _model_state(args.mib)

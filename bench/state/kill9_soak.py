@@ -17,7 +17,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "state"))
-from state_workers import run_kill_trials  # noqa: E402
+from state_workers import run_kill_trials
 
 
 def _violations(report: dict) -> list[str]:

@@ -111,10 +111,11 @@ def run_training(run_dir: str, losses_path: str, variant: str, total_steps: int)
     train_state = {"epoch": 0}
     options = {"keep_last": 2, "async_save": spec["async_save"]}
     options.update({"save_on_preemption": True} if spec["preempt"] else {"save_every_steps": spec.get("every", 1)})
-    items = dict(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, train_state=train_state)
+    items = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
+             "train_state": train_state}
     ckpt = Checkpointer(run_dir, **options) if run_dir != "-" else None  # "-": the uninterrupted reference
     step = (ckpt.restore(**items) or 0) if ckpt is not None else 0
-    log = open(losses_path, "a", buffering=1)
+    log = open(losses_path, "a", buffering=1)  # noqa: SIM115 (kept open until the process is killed)
     log.write(f"restored {step}\n")
     model.train()
     while step < total_steps:
@@ -287,7 +288,7 @@ def run_kill_trials(base_dir: str, trials: int, seed: int, max_delay_s: float = 
         zygote_proc.wait(timeout=30)
     verifier = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "verify-trials", json.dumps(run_dirs)],
-        capture_output=True, text=True, env=_worker_env(), timeout=600,
+        check=False, capture_output=True, text=True, env=_worker_env(), timeout=600,
     )
     if verifier.returncode != 0:
         raise RuntimeError(f"verifier failed:\n{verifier.stderr[-4000:]}")

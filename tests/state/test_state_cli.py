@@ -48,7 +48,7 @@ def test_export_writes_model_weights_under_state_dict_keys(run_dir, tmp_path, ca
     assert run_cli(["export", run_dir, "--out", out]) == 0
     assert "exported step 2" in capsys.readouterr().out
     exported = safetensors.torch.load_file(out)
-    assert list(sorted(exported)) == sorted(model.state_dict())
+    assert sorted(exported) == sorted(model.state_dict())
     assert bitwise_equal(dict(sorted(exported.items())), dict(sorted(model.state_dict().items())))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import numpy as np
@@ -16,9 +17,14 @@ from torchckpt.state.codec import (
     encode_json,
     encode_safetensors,
     join_tensors,
+    safetensors_chunks,
     split_tensors,
 )
-from torchckpt.state.errors import CheckpointCorruptError, UnsafeFileError, UnsupportedStateError
+from torchckpt.state.errors import (
+    CheckpointCorruptError,
+    UnsafeFileError,
+    UnsupportedStateError,
+)
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -69,7 +75,7 @@ def test_python_values_round_trip_with_types():
 
 def test_tied_tensors_are_stored_separately_and_keys_follow_paths():
     weight = torch.randn(4, 4)
-    encoded, tensors = split_tensors({"enc.weight": weight, "dec.weight": weight}, "model")
+    _, tensors = split_tensors({"enc.weight": weight, "dec.weight": weight}, "model")
     assert sorted(tensors) == ["dec.weight", "enc.weight"]
     assert bitwise_equal(decode_safetensors(encode_safetensors(tensors), "m")["dec.weight"], weight)
 
@@ -102,7 +108,7 @@ def test_garbage_safetensors_is_corrupt_not_a_crash():
     with pytest.raises(CheckpointCorruptError, match="m.safetensors: not a safetensors file"):
         decode_safetensors(b"\x00" * 20, "m.safetensors")
     data = encode_safetensors({"w": torch.ones(100)})
-    with pytest.raises(CheckpointCorruptError, match="m.safetensors: safetensors could not decode it"):
+    with pytest.raises(CheckpointCorruptError, match=r"m.safetensors: not a valid safetensors file \(tensors cover"):
         decode_safetensors(data[:-10], "m.safetensors")
 
 
@@ -118,3 +124,58 @@ def test_writer_output_matches_the_reference_library_and_format_rules():
 def test_complex_tensors_are_refused_with_a_fix():
     with pytest.raises(UnsupportedStateError, match="dtype torch.complex64.*view_as_real"):
         split_tensors({"z": torch.zeros(2, dtype=torch.complex64)}, "item")
+
+
+def _file(entries: dict, data: bytes) -> bytes:
+    header = json.dumps(entries).encode()
+    return len(header).to_bytes(8, "little") + header + data
+
+
+MALFORMED = {
+    "gap": ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8)),
+    "overlap": ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                 "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8)),
+    "size_mismatch": ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8)),
+    "trailing_bytes": ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(12)),
+    "unknown_dtype": ({"a": {"dtype": "F33", "shape": [2], "data_offsets": [0, 8]}}, bytes(8)),
+    "negative_dim": ({"a": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 0]}}, b""),
+    "bad_offsets": ({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0]}}, bytes(1)),
+    "metadata_not_strings": ({"__metadata__": {"k": 1}, "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}},
+                             bytes(1)),
+    "entry_not_object": ({"a": [1, 2]}, b""),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_parser_refuses_what_the_reference_library_refuses(case):
+    data = _file(*MALFORMED[case])
+    with pytest.raises(Exception):  # noqa: B017 (the reference raises its own SafetensorError)
+        safetensors.torch.load(data)
+    with pytest.raises(CheckpointCorruptError, match="x.safetensors: not a valid safetensors file"):
+        decode_safetensors(data, "x.safetensors")
+
+
+def test_parser_accepts_what_the_reference_writes_including_metadata_and_unaligned_offsets():
+    tensors = {"i8": torch.arange(3, dtype=torch.int8), "f": torch.randn(2, 3), "b": torch.tensor([True, False])}
+    reference = safetensors.torch.save(tensors, metadata={"format": "pt"})
+    assert all(bitwise_equal(decode_safetensors(reference, "r")[k], v) for k, v in tensors.items())
+    # a file another tool might write: a float32 tensor at data byte 1 (valid, but not aligned)
+    unaligned = _file({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+                       "f": {"dtype": "F32", "shape": [2], "data_offsets": [1, 9]}},
+                      b"\x07" + torch.tensor([1.5, -2.0]).numpy().tobytes())
+    ours, theirs = decode_safetensors(unaligned, "u"), safetensors.torch.load(unaligned)
+    assert bitwise_equal(ours["f"], theirs["f"]) and bitwise_equal(ours["a"], theirs["a"])
+
+
+def test_chunks_view_tensor_memory_and_decoded_tensors_view_the_buffer():
+    weight = torch.randn(1024, 256)  # 1 MiB: decoded as a view (smaller tensors are copied)
+    chunks = safetensors_chunks({"w": weight, "n": torch.arange(5)})
+    assert len(chunks) == 3 and any(
+        np.shares_memory(np.asarray(chunk), weight.numpy()) for chunk in chunks if isinstance(chunk, memoryview)
+    )
+    buffer = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    decoded = decode_safetensors(memoryview(buffer.numpy()), "m.safetensors")
+    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+    assert start <= decoded["w"].data_ptr() < end  # a view, not a copy
+    assert not start <= decoded["n"].data_ptr() < end  # small: copied
+    assert bitwise_equal(decoded["w"], weight) and bitwise_equal(decoded["n"], torch.arange(5))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,22 +14,22 @@ from state_workers import bitwise_equal
 
 from torchckpt.state import (
     CheckpointCorruptError,
-    CheckpointFallbackWarning,
     Checkpointer,
+    CheckpointFallbackWarning,
     verify_checkpoint,
 )
 from torchckpt.state.format import canonical_json, hash_bytes
 
 
 def _truncate(path):
-    data = open(path, "rb").read()
-    open(path, "wb").write(data[:-7])
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[:-7])
 
 
 def _flip_byte(path):
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     data[len(data) - 3] ^= 0x01  # inside the tensor data, so the file still parses
-    open(path, "wb").write(bytes(data))
+    Path(path).write_bytes(bytes(data))
 
 
 def _remove(path):
@@ -36,11 +37,11 @@ def _remove(path):
 
 
 def _bad_hash_in_manifest(manifest_path, file_name="model.safetensors"):
-    body = json.load(open(manifest_path))
+    body = json.loads(Path(manifest_path).read_text())
     body["files"][file_name]["hash"] = "0" * 64
     body.pop("manifest_hash")
     body["manifest_hash"] = hash_bytes(canonical_json(body), "sha256")  # a self-consistent manifest
-    open(manifest_path, "w").write(json.dumps(body))
+    Path(manifest_path).write_text(json.dumps(body))
 
 
 # (damage, file it is applied to, file the report must name, words the report must contain)
@@ -109,9 +110,8 @@ def test_flipped_byte_passes_fast_but_not_full_verification(run_dir, two_steps):
 def test_every_step_corrupt_is_an_error_not_a_fresh_start(run_dir, two_steps):
     for step in (1, 2):
         _truncate(os.path.join(run_dir, f"step-00000000{step}", "model.safetensors"))
-    with Checkpointer(run_dir) as ckpt:
-        with pytest.raises(CheckpointCorruptError, match="no valid checkpoint among 2 step"):
-            ckpt.restore(model=tiny_model())
+    with Checkpointer(run_dir) as ckpt, pytest.raises(CheckpointCorruptError, match="no valid checkpoint among 2 step"):
+        ckpt.restore(model=tiny_model())
 
 
 def test_resaving_over_a_corrupt_step_moves_it_aside(run_dir, two_steps):

@@ -53,7 +53,19 @@ def test_step_without_manifest_is_ignored_then_cleaned(memory_url):
 
 
 def test_remote_lock_names_holder(memory_url):
-    with Checkpointer(memory_url):
-        with pytest.raises(CheckpointLockedError, match="locked by pid"):
-            Checkpointer(memory_url)
+    with Checkpointer(memory_url), pytest.raises(CheckpointLockedError, match="locked by pid"):
+        Checkpointer(memory_url)
     Checkpointer(memory_url).close()
+
+
+def test_multi_piece_files_stream_both_ways(memory_url):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2100, 2100)  # 17.6 MB weight: more than one 16 MiB piece each way
+    with Checkpointer(memory_url, async_save=True) as ckpt:
+        ckpt.save(1, model=model)
+    [info] = verify_checkpoint(memory_url, step=1, verify="full")
+    assert info.valid and info.size_bytes > 16 << 20
+    restored = torch.nn.Linear(2100, 2100)
+    with Checkpointer(memory_url) as ckpt:
+        assert ckpt.restore(model=restored) == 1
+    assert bitwise_equal(restored.state_dict(), model.state_dict())

@@ -14,9 +14,8 @@ from torchckpt.state import Checkpointer, CheckpointLockedError
 
 
 def test_second_writer_in_same_process_is_refused(run_dir):
-    with Checkpointer(run_dir):
-        with pytest.raises(CheckpointLockedError, match=f"locked by pid {os.getpid()} on host"):
-            Checkpointer(run_dir)
+    with Checkpointer(run_dir), pytest.raises(CheckpointLockedError, match=f"locked by pid {os.getpid()} on host"):
+        Checkpointer(run_dir)
     Checkpointer(run_dir).close()  # released on close
 
 

@@ -7,13 +7,19 @@ import os
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from cli_helpers import run_cli
 from state_helpers import tiny_model
 
-from torchckpt.state import CheckpointCorruptError, Checkpointer, UnsafeFileError, import_torch_save
+from torchckpt.state import (
+    CheckpointCorruptError,
+    Checkpointer,
+    UnsafeFileError,
+    import_torch_save,
+)
 from torchckpt.state.format import canonical_json, hash_bytes
 
 
@@ -42,13 +48,13 @@ def test_payload_is_live(tmp_path):
 
 def _plant(step_dir: str, name: str, data: bytes) -> None:
     """Replace a checkpoint file and rewrite the manifest so sizes and hashes match it."""
-    open(os.path.join(step_dir, name), "wb").write(data)
+    Path(step_dir, name).write_bytes(data)
     manifest_path = os.path.join(step_dir, "manifest.json")
-    body = json.load(open(manifest_path))
+    body = json.loads(Path(manifest_path).read_text())
     body["files"][name] = {"size_bytes": len(data), "hash": hash_bytes(data, body["hash_algorithm"])}
     body.pop("manifest_hash")
     body["manifest_hash"] = hash_bytes(canonical_json(body), "sha256")
-    open(manifest_path, "w").write(json.dumps(body))
+    Path(manifest_path).write_text(json.dumps(body))
 
 
 @pytest.mark.parametrize("target", ["model.safetensors", "optimizer.json", "optimizer.safetensors", "state.json"])
@@ -62,9 +68,9 @@ def test_planted_pickle_is_refused_and_never_runs(run_dir, tmp_path, target):
     marker = tmp_path / f"ran-{target}"
     _plant(os.path.join(run_dir, "step-000000001"), target, _malicious_bytes(str(marker)))
 
-    with Checkpointer(run_dir) as ckpt:
-        with pytest.raises(UnsafeFileError, match=f"{target}: expected a torchckpt file, found a Python pickle") as caught:
-            ckpt.restore(model=model, optimizer=optimizer, fallback=False)
+    expected = f"{target}: expected a torchckpt file, found a Python pickle"
+    with Checkpointer(run_dir) as ckpt, pytest.raises(UnsafeFileError, match=expected) as caught:
+        ckpt.restore(model=model, optimizer=optimizer, fallback=False)
     assert isinstance(caught.value, CheckpointCorruptError)
     assert "refused unread" in str(caught.value)
     assert not marker.exists()

@@ -47,9 +47,8 @@ def test_restored_step_is_not_saved_again(run_dir):
 
 
 def test_maybe_save_without_policy_is_an_error(run_dir):
-    with Checkpointer(run_dir) as ckpt:
-        with pytest.raises(ValueError, match="maybe_save needs a policy"):
-            ckpt.maybe_save(1, model=tiny_model())
+    with Checkpointer(run_dir) as ckpt, pytest.raises(ValueError, match="maybe_save needs a policy"):
+        ckpt.maybe_save(1, model=tiny_model())
 
 
 def test_sigterm_saves_at_next_safe_point_and_exits_cleanly(run_dir):

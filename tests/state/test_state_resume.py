@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from state_helpers import WORKERS, run_worker, worker_env
@@ -24,7 +25,7 @@ TOTAL_STEPS = 40
 def _segments(log_path: str) -> list[dict]:
     """Split a losses log into one segment per process: restored step, {step: loss hex}, finished."""
     segments: list[dict] = []
-    for line in open(log_path).read().splitlines():
+    for line in Path(log_path).read_text().splitlines():
         if line.startswith("restored "):
             segments.append({"restored": int(line.split()[1]), "losses": {}, "finished": False})
         elif line == "finished":
@@ -50,7 +51,7 @@ def _start_and_interrupt(run_dir: str, log: str, variant: str, at_step: int, how
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
-        if os.path.exists(log) and f"\n{at_step} " in open(log).read():
+        if os.path.exists(log) and f"\n{at_step} " in Path(log).read_text():
             break
         time.sleep(0.005)
     time.sleep(delay_s)

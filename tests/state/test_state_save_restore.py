@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +15,8 @@ from state_workers import bitwise_equal
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchckpt.state import (
-    CheckpointExistsError,
     Checkpointer,
+    CheckpointExistsError,
     CheckpointMismatchError,
     UnsupportedStateError,
 )
@@ -71,15 +72,15 @@ def test_layout_matches_design(run_dir):
     assert sorted(os.listdir(step_dir)) == [
         "manifest.json", "model.safetensors", "optimizer.json", "optimizer.safetensors", "state.json"
     ]
-    manifest = json.load(open(os.path.join(step_dir, "manifest.json")))
+    manifest = json.loads(Path(step_dir, "manifest.json").read_text())
     assert manifest["step"] == 1200 and manifest["metrics"] == {"loss": 0.5}
     for name, entry in manifest["files"].items():
         assert entry["size_bytes"] == os.path.getsize(os.path.join(step_dir, name))
-    optimizer_json = json.load(open(os.path.join(step_dir, "optimizer.json")))
+    optimizer_json = json.loads(Path(step_dir, "optimizer.json").read_text())
     betas = list(optimizer.state_dict()["param_groups"][0]["betas"])
     assert optimizer_json["param_groups"][0]["betas"] == {"__torchckpt__": "tuple", "items": betas}
     for name in os.listdir(step_dir):  # no pickle anywhere: no file starts with pickle/zip magic
-        head = open(os.path.join(step_dir, name), "rb").read(4)
+        head = Path(step_dir, name).read_bytes()[:4]
         assert not (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05") and name.endswith(".json"))
         assert head != b"PK\x03\x04"
 

@@ -9,17 +9,32 @@ Rules kept here:
    never raises anything but :class:`CheckpointCorruptError` for bad data.
 3. Restore decodes from the very bytes that were hashed, so a file changed
    between verification and loading cannot slip through.
+4. Each file is read once, into one buffer of its manifest size, piece by
+   piece; with ``verify="full"`` each piece is hashed in a second thread while
+   the next one is read (issue 4). The tensors restore decodes are views of
+   that buffer (codec.py rule 4): reading costs one pass over the bytes.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import Literal
+
+import torch
 
 from torchckpt.state.errors import CheckpointCorruptError, CheckpointNotFoundError
-from torchckpt.state.format import MANIFEST_NAME, Manifest, hash_bytes, parse_manifest, step_dir_name
+from torchckpt.state.format import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    new_hasher,
+    parse_manifest,
+    step_dir_name,
+)
 from torchckpt.state.storage import Storage, open_storage
 
 VerifyMode = Literal["full", "fast"]
@@ -95,8 +110,7 @@ def _size_problem(size: int | None, expected: int) -> str | None:
     return None
 
 
-def _hash_problem(data: bytes, expected: str, algorithm: str) -> str | None:
-    found = hash_bytes(data, algorithm)
+def _hash_problem(found: str, expected: str, algorithm: str) -> str | None:
     if found == expected:
         return None
     return (
@@ -105,37 +119,59 @@ def _hash_problem(data: bytes, expected: str, algorithm: str) -> str | None:
     )
 
 
-def _read_or_none(storage: Storage, entry: str, name: str) -> bytes | None:
+def _read_checked(
+    storage: Storage, entry: str, name: str, expected: FileEntry, algorithm: str | None, hash_thread: ThreadPoolExecutor
+) -> tuple[memoryview | None, str | None]:
+    """(bytes, None) if the file has the listed size (and hash, when ``algorithm``), else (None, problem)."""
+    problem = _size_problem(storage.file_size(entry, name), expected.size_bytes)
+    if problem is not None:
+        return None, problem
+    # torch.empty: no zero-fill (bytearray would write every page once more) and 64-byte aligned views
+    buffer = memoryview(torch.empty(expected.size_bytes, dtype=torch.uint8).numpy())
+    hasher = new_hasher(algorithm) if algorithm is not None else None
+    updates: list[Future[None]] = []
+
+    def hash_piece(piece: memoryview) -> None:
+        if hasher is not None:
+            updates.append(hash_thread.submit(hasher.update, piece))  # one worker: pieces hash in order
+
     try:
-        return storage.read_file(entry, name)
+        size = storage.read_into(entry, name, buffer, hash_piece)
     except FileNotFoundError:
-        return None
+        size = None
+    for update in updates:
+        update.result()
+    problem = _size_problem(size, expected.size_bytes)
+    if problem is None and hasher is not None:
+        problem = _hash_problem(hasher.hexdigest(), expected.hash, algorithm)  # type: ignore[arg-type]
+    if problem is not None:
+        return None, problem + (" while it was being read" if size != expected.size_bytes else "")
+    return buffer, None
 
 
-def _bytes_problem(data: bytes | None, name: str, manifest: Manifest, verify: VerifyMode) -> str | None:
-    expected = manifest.files[name]
-    problem = _size_problem(None if data is None else len(data), expected.size_bytes)
-    if problem is None and verify == "full":
-        problem = _hash_problem(data, expected.hash, manifest.hash_algorithm)  # type: ignore[arg-type]
-    return problem
-
-
-def read_step_files(storage: Storage, step: int, manifest: Manifest, verify: VerifyMode) -> dict[str, bytes]:
-    """Bytes of every listed file, checked per ``verify`` (rules 1, 3).
+def read_step_files(storage: Storage, step: int, manifest: Manifest, verify: VerifyMode) -> dict[str, memoryview]:
+    """Bytes of every listed file, checked per ``verify`` (rules 1, 3, 4).
 
     Raises one :class:`CheckpointCorruptError` naming every bad file.
     """
     check_verify_mode(verify)
+    return _read_files(storage, step, manifest, verify, keep=True)
+
+
+def _read_files(
+    storage: Storage, step: int, manifest: Manifest, verify: VerifyMode, keep: bool
+) -> dict[str, memoryview]:
     entry = step_dir_name(step)
-    files: dict[str, bytes] = {}
+    algorithm = manifest.hash_algorithm if verify == "full" else None
+    files: dict[str, memoryview] = {}
     problems: dict[str, str] = {}
-    for name in manifest.files:
-        data = _read_or_none(storage, entry, name)
-        problem = _bytes_problem(data, name, manifest, verify)
-        if problem is not None:
-            problems[storage.path_of(entry, name)] = problem
-        else:
-            files[name] = data  # type: ignore[assignment]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchckpt-hash") as hash_thread:
+        for name, expected in manifest.files.items():
+            data, problem = _read_checked(storage, entry, name, expected, algorithm, hash_thread)
+            if problem is not None:
+                problems[storage.path_of(entry, name)] = problem
+            elif keep:
+                files[name] = data  # type: ignore[assignment]
     _raise_problems(problems)
     return files
 
@@ -173,12 +209,15 @@ def inspect_step(storage: Storage, step: int, verify: VerifyMode) -> CheckpointI
 
 def _verify_files(storage: Storage, step: int, manifest: Manifest, verify: VerifyMode) -> dict[str, str]:
     entry = step_dir_name(step)
+    if verify == "full":
+        try:
+            _read_files(storage, step, manifest, verify, keep=False)
+        except CheckpointCorruptError as error:
+            return error.problems
+        return {}
     problems = {}
     for name, expected in manifest.files.items():
-        if verify == "full":
-            problem = _bytes_problem(_read_or_none(storage, entry, name), name, manifest, verify)
-        else:
-            problem = _size_problem(storage.file_size(entry, name), expected.size_bytes)
+        problem = _size_problem(storage.file_size(entry, name), expected.size_bytes)
         if problem is not None:
             problems[storage.path_of(entry, name)] = problem
     return problems

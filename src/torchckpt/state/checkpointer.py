@@ -11,12 +11,17 @@ Rules kept here (DESIGN.md invariants in parentheses):
    invisible to it.
 3. At most one save is in flight. ``save`` first waits for the previous one and
    re-raises its error; ``close``, ``restore`` and ``wait`` do the same.
-4. Tensors are serialised to host bytes inside ``save`` (synchronously), so
-   training may mutate them while the background thread hashes and writes.
+4. An async ``save`` copies tensors to host memory (a reused staging buffer)
+   before it returns, so training may mutate them while the background thread
+   hashes and writes. A sync ``save`` writes CPU tensors from their own memory.
 5. A committed step is immutable: saving a step that already holds a valid
    checkpoint is an error; a corrupt one is moved aside to ``.corrupt-*``.
 6. One writer per directory: the lock is taken when the Checkpointer is built
    and leftovers of interrupted saves are cleaned only then.
+7. Each file is hashed while it is written: piece k is handed to a hashing
+   thread just before it is written (hashlib, zlib and xxhash release the GIL),
+   so a save costs about max(hash, write), never their sum, and no byte is
+   read twice from a joined copy.
 """
 
 from __future__ import annotations
@@ -24,12 +29,18 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from torchckpt.state.capture import apply_item, capture_item, capture_rng, check_item_name, restore_rng
+from torchckpt.state.capture import (
+    apply_item,
+    capture_item,
+    capture_rng,
+    check_item_name,
+    restore_rng,
+)
 from torchckpt.state.catalog import VERIFY_MODES, CheckpointInfo, inspect_step
 from torchckpt.state.errors import (
     CheckpointError,
@@ -37,19 +48,21 @@ from torchckpt.state.errors import (
     CheckpointMismatchError,
 )
 from torchckpt.state.format import (
-    HASH_FUNCTIONS,
+    DEFAULT_HASH_ALGORITHM,
+    HASH_ALGORITHMS,
     FileEntry,
     Manifest,
     encode_manifest,
-    hash_bytes,
     metric_value,
+    new_hasher,
     step_dir_name,
 )
 from torchckpt.state.preemption import PreemptionHandler, parse_signals
 from torchckpt.state.reader import read_newest_valid
 from torchckpt.state.retention import RetentionPolicy, steps_to_keep
-from torchckpt.state.snapshot import Snapshot, encode_snapshot
-from torchckpt.state.storage import Storage, open_storage
+from torchckpt.state.snapshot import FileChunks, Snapshot, encode_snapshot
+from torchckpt.state.staging import HostStaging
+from torchckpt.state.storage import StepWriter, Storage, open_storage, split_pieces
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,12 +83,12 @@ class CheckpointerConfig:
     verify: str = "full"
     fallback: bool = True
     capture_rng: bool = True
-    hash_algorithm: str = "sha256"
+    hash_algorithm: str = DEFAULT_HASH_ALGORITHM
     save_on_preemption: bool = False
     preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGINT")
 
     def __post_init__(self) -> None:
-        self.retention  # validates keep_* options
+        _ = self.retention  # validates keep_* options
         if self.save_every_steps is not None and (type(self.save_every_steps) is not int or self.save_every_steps < 1):
             raise ValueError(f"save_every_steps={self.save_every_steps!r}: expected a positive int or None")
         if self.save_every_seconds is not None and not (
@@ -84,9 +97,9 @@ class CheckpointerConfig:
             raise ValueError(f"save_every_seconds={self.save_every_seconds!r}: expected a positive number or None")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"verify={self.verify!r}: expected one of {VERIFY_MODES}")
-        if self.hash_algorithm not in HASH_FUNCTIONS:
-            raise ValueError(f"hash_algorithm={self.hash_algorithm!r}: expected one of {sorted(HASH_FUNCTIONS)}")
-        hash_bytes(b"", self.hash_algorithm)  # fails early if an optional hash library is missing
+        if self.hash_algorithm not in HASH_ALGORITHMS:
+            raise ValueError(f"hash_algorithm={self.hash_algorithm!r}: expected one of {sorted(HASH_ALGORITHMS)}")
+        new_hasher(self.hash_algorithm)  # fails early if the hash library is missing
         parse_signals(self.preemption_signals)
 
     @property
@@ -116,6 +129,7 @@ class Checkpointer:
         self.config = config if config is not None else CheckpointerConfig(**options)
         self._storage: Storage = open_storage(directory)
         self._executor: ThreadPoolExecutor | None = None
+        self._staging = HostStaging()  # used by async saves only (rule 4)
         self._inflight: Future[None] | None = None
         self._last_step: int | None = None
         self._closed = False
@@ -139,7 +153,7 @@ class Checkpointer:
         """True once a preemption signal arrived (with ``save_on_preemption=True``)."""
         return self._preemption is not None and self._preemption.requested is not None
 
-    def __enter__(self) -> Checkpointer:
+    def __enter__(self) -> Checkpointer:  # noqa: PYI034 (typing.Self needs Python 3.11; we support 3.10)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -218,23 +232,20 @@ class Checkpointer:
         )
         raise SystemExit(0)
 
-    def _snapshot(self, step: int, items: Mapping[str, Any], metrics: Mapping[str, float]) -> dict[str, bytes | memoryview]:
+    def _snapshot(self, step: int, items: Mapping[str, Any], metrics: Mapping[str, float]) -> dict[str, FileChunks]:
         captured = {name: capture_item(name, obj) for name, obj in items.items()}
         rng = capture_rng() if self.config.capture_rng else None
-        return encode_snapshot(step=step, items=captured, rng=rng, metrics=metrics)
+        staging = self._staging if self.config.async_save else None  # rule 4
+        return encode_snapshot(step=step, items=captured, rng=rng, metrics=metrics, staging=staging)
 
-    def _write(self, step: int, files: Mapping[str, bytes | memoryview], metrics: Mapping[str, float]) -> None:
+    def _write(self, step: int, files: Mapping[str, FileChunks], metrics: Mapping[str, float]) -> None:
         algorithm = self.config.hash_algorithm
         writer = self._storage.begin_step(step)
         try:
-            entries = {}
-            # Each file's hash is computed in a second thread while the same bytes are written: hashlib and
-            # os.write both release the GIL, so the save costs about max(hash, write) instead of their sum.
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchckpt-hash") as hasher:
-                for name, data in files.items():
-                    digest = hasher.submit(hash_bytes, data, algorithm)
-                    writer.write(name, data)
-                    entries[name] = FileEntry(size_bytes=len(data), hash=digest.result())
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchckpt-hash") as hash_thread:
+                entries = {
+                    name: _write_hashed(writer, name, chunks, algorithm, hash_thread) for name, chunks in files.items()
+                }
             manifest = Manifest(
                 step=step, created_unix_s=time.time(), hash_algorithm=algorithm, files=entries, metrics=metrics
             )
@@ -387,6 +398,7 @@ class Checkpointer:
             self._closed = True
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
+            self._staging.release()
             if self._preemption is not None:
                 self._preemption.uninstall()
             self._storage.release_lock()
@@ -394,6 +406,24 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"this Checkpointer for {self.directory} is closed; build a new one")
+
+
+def _write_hashed(
+    writer: StepWriter, name: str, chunks: FileChunks, algorithm: str, hash_thread: ThreadPoolExecutor
+) -> FileEntry:
+    """Write one file and hash it on the way (rule 7): each piece is queued for hashing, then written."""
+    hasher = new_hasher(algorithm)
+    updates: list[Future[None]] = []
+
+    def hashed_pieces() -> Iterator[memoryview]:
+        for piece in split_pieces(chunks):
+            updates.append(hash_thread.submit(hasher.update, piece))  # one worker: pieces hash in order
+            yield piece
+
+    size_bytes = writer.write(name, hashed_pieces(), sum(memoryview(chunk).nbytes for chunk in chunks))
+    for update in updates:
+        update.result()
+    return FileEntry(size_bytes=size_bytes, hash=hasher.hexdigest())
 
 
 def _metric_name(name: object) -> str:

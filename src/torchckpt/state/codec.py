@@ -2,9 +2,13 @@
 
 Rules kept here:
 
-1. (inv. 2) Nothing here unpickles. Bytes are decoded only by ``json`` and
-   ``safetensors``; a file that looks like a pickle or a ``torch.save`` zip is
-   refused before any parser sees it.
+1. (inv. 2) Nothing here unpickles. Bytes are decoded only by ``json`` and by
+   the safetensors header parser below, which checks every rule of the
+   safetensors format as the reference library does (dtype names, shapes,
+   offsets that tile the data exactly) before it makes a single view; a file
+   that looks like a pickle or a ``torch.save`` zip is refused before any
+   parser sees it. The tests check that the reference ``safetensors`` reads
+   what we write and refuses what we refuse.
 2. Round trips are exact: tensors keep dtype, shape and bits; Python floats go
    through ``repr`` (exact); tuples, int dict keys, NumPy arrays and scalars are
    tagged so they come back with the same type. Anything else is an error that
@@ -12,14 +16,19 @@ Rules kept here:
 3. Tensor keys are the path of the tensor in the tree joined by ``.``, so a
    model's flat state_dict is stored under its own keys (``torchckpt export``
    relies on this).
-4. Encoding copies each tensor's bytes exactly once, into one host buffer: that
-   buffer is the snapshot an async save writes while training goes on.
+4. Zero copy both ways (issue 4). A safetensors file is written as chunks: its
+   header, then each host tensor's own memory (:func:`safetensors_chunks`);
+   nothing is joined. Decoding makes each tensor of 1 MiB or more a view of the
+   buffer the file was read (and hashed) into; smaller tensors, and any whose
+   offset does not suit its dtype's alignment (files written by other tools),
+   are copied into their own memory.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import math
 import sys
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -29,18 +38,27 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from torchckpt.state.errors import CheckpointCorruptError, UnsafeFileError, UnsupportedStateError
+from torchckpt.state.errors import (
+    CheckpointCorruptError,
+    UnsafeFileError,
+    UnsupportedStateError,
+)
 
 _TAG = "__torchckpt__"
 _SCALARS = (bool, int, float, str, type(None))
 _SAFETENSORS_MAX_HEADER_BYTES = 100 << 20
+# Decoded tensors at least this large are views of the read buffer; smaller ones are copied. Copying
+# them costs nothing, and some small uint8 tensors are structs in disguise (a torch.Generator's state)
+# that native code reads with aligned loads: as views at an odd offset they crashed set_state (SIGSEGV).
+_VIEW_MIN_BYTES = 1 << 20
 
 
 def split_tensors(tree: Any, item: str) -> tuple[Any, dict[str, torch.Tensor]]:
     """Separate tensors from a nested state into (JSON-able tree, flat tensor dict).
 
-    Tensors are moved to CPU and made contiguous (views only; the copy happens in
-    :func:`encode_safetensors`). Tied tensors are stored once per key.
+    Tensors are detached and made contiguous but stay on their device (views of
+    CPU tensors; the snapshot moves them to host memory). Tied tensors are
+    stored once per key.
 
     Example:
         >>> tree, tensors = split_tensors({"w": torch.ones(2), "lr": 0.1, 3: (1, 2)}, "opt")
@@ -122,7 +140,7 @@ def _encode_tensor(
             f"cannot store (supported: {sorted(str(d) for d in SAFETENSORS_DTYPES)}). Fix: convert it "
             "(complex: torch.view_as_real) in state_dict()."
         )
-    host = value.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+    host = value.detach().resolve_conj().resolve_neg().contiguous()
     key = _unique_key(_path_text(path), tensors)
     tensors[key] = host
     return {_TAG: "tensor", "key": key}
@@ -223,29 +241,44 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 }
 
 
-def encode_safetensors(tensors: Mapping[str, torch.Tensor]) -> memoryview:
-    """safetensors bytes of CPU contiguous tensors, built with one copy per tensor (rule 4).
+def safetensors_chunks(tensors: Mapping[str, torch.Tensor]) -> list[bytes | memoryview]:
+    """A safetensors file of CPU contiguous tensors as chunks to write in order (rule 4).
 
-    Decoding uses the reference ``safetensors`` parser, so every round trip in the
-    tests also checks that this writer follows the format.
+    The first chunk is the 8-byte length plus the JSON header; every other chunk
+    is a view of one tensor's memory, so nothing is copied: the caller must not
+    change the tensors until the chunks are written.
+
+    Example:
+        >>> chunks = safetensors_chunks({"w": torch.ones(2)})
+        >>> len(chunks), decode_safetensors(b"".join(chunks), "m.safetensors")["w"]
+        (2, tensor([1., 1.]))
+    """
+    if sys.byteorder != "little":  # the format is little-endian; let the library swap bytes
+        return [safetensors.torch.save({key: t.contiguous() for key, t in tensors.items()})]
+    order = sorted(tensors, key=lambda key: (-tensors[key].element_size(), key))  # keeps data aligned
+    header, _ = _safetensors_header(tensors, order)
+    return [len(header).to_bytes(8, "little") + header] + [_tensor_memory(key, tensors[key]) for key in order]
+
+
+def _tensor_memory(key: str, tensor: torch.Tensor) -> memoryview:
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(
+            f"tensor {key!r} is on {tensor.device}, contiguous={tensor.is_contiguous()}; expected a "
+            "contiguous CPU tensor. Fix: pass tensor.cpu().contiguous() (snapshot.py does)."
+        )
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def encode_safetensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """safetensors bytes of CPU contiguous tensors (the chunks of :func:`safetensors_chunks`, joined).
+
+    For small files and tests; saves write the chunks without joining them.
 
     Example:
         >>> decode_safetensors(encode_safetensors({"w": torch.ones(2)}), "m.safetensors")["w"]
         tensor([1., 1.])
     """
-    if sys.byteorder != "little":  # the format is little-endian; let the library swap bytes
-        return memoryview(safetensors.torch.save(dict(tensors)))
-    order = sorted(tensors, key=lambda key: (-tensors[key].element_size(), key))  # keeps data aligned
-    header, data_bytes = _safetensors_header(tensors, order)
-    buffer = torch.empty(8 + len(header) + data_bytes, dtype=torch.uint8)
-    buffer[:8] = torch.frombuffer(bytearray(len(header).to_bytes(8, "little")), dtype=torch.uint8)
-    buffer[8 : 8 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    position = 8 + len(header)
-    for key in order:
-        raw = tensors[key].reshape(-1).view(torch.uint8)
-        buffer[position : position + raw.numel()] = raw
-        position += raw.numel()
-    return memoryview(buffer.numpy())
+    return b"".join(safetensors_chunks(tensors))
 
 
 def _safetensors_header(tensors: Mapping[str, torch.Tensor], order: list[str]) -> tuple[bytes, int]:
@@ -261,8 +294,14 @@ def _safetensors_header(tensors: Mapping[str, torch.Tensor], order: list[str]) -
     return header + b" " * (-len(header) % 8), offset
 
 
-def decode_safetensors(data: bytes | memoryview, path: str) -> dict[str, torch.Tensor]:
-    """Parse safetensors bytes read from ``path``; refuses pickles (rule 1).
+_DTYPES_BY_NAME: dict[str, torch.dtype] = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+def decode_safetensors(data: bytes | memoryview | torch.Tensor, path: str) -> dict[str, torch.Tensor]:
+    """Parse safetensors bytes read from ``path`` into tensors that view ``data``; refuses pickles (rule 1).
+
+    ``data`` may be a writable buffer (what restore reads into: the tensors are views
+    of it, rule 4), a ``torch.uint8`` tensor, or ``bytes`` (copied once, then viewed).
 
     Example:
         >>> decode_safetensors(b"\\x80\\x04junk", "m.safetensors")  # doctest: +ELLIPSIS
@@ -270,17 +309,81 @@ def decode_safetensors(data: bytes | memoryview, path: str) -> dict[str, torch.T
         ...
         torchckpt.state.errors.UnsafeFileError: m.safetensors: ...
     """
-    header_bytes = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
-    if not (0 < header_bytes <= min(len(data) - 8, _SAFETENSORS_MAX_HEADER_BYTES)) or data[8:9] != b"{":
+    view = memoryview(data.numpy()) if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
+    header_bytes = int.from_bytes(view[:8], "little") if len(view) >= 8 else -1
+    if not (0 < header_bytes <= min(len(view) - 8, _SAFETENSORS_MAX_HEADER_BYTES)) or view[8:9] != b"{":
         # Checked only here: a valid header length (e.g. 0x280) may start with pickle's magic.
-        refuse_executable_formats(data, path)
-        problem = f"not a safetensors file (header length field {header_bytes}, file {len(data)} bytes)"
+        refuse_executable_formats(view, path)
+        problem = f"not a safetensors file (header length field {header_bytes}, file {len(view)} bytes)"
         raise CheckpointCorruptError(f"{path}: {problem}", {path: problem})
     try:
-        return safetensors.torch.load(bytes(data))
-    except Exception as error:  # safetensors raises its own SafetensorError
-        problem = f"safetensors could not decode it ({error})"
+        if sys.byteorder != "little":
+            return safetensors.torch.load(bytes(view))
+        entries = _parse_safetensors_header(bytes(view[8 : 8 + header_bytes]), len(view) - 8 - header_bytes)
+    except (ValueError, TypeError, safetensors.SafetensorError) as error:  # JSON and UTF-8 errors are ValueErrors
+        problem = f"not a valid safetensors file ({error}); it was damaged or written by another tool"
         raise CheckpointCorruptError(f"{path}: {problem}", {path: problem}) from None
+    buffer = _uint8_tensor(data, view)
+    start = 8 + header_bytes
+    return {key: _tensor_view(buffer, start + begin, start + end, dtype, shape)
+            for key, dtype, shape, begin, end in entries}
+
+
+def _parse_safetensors_header(
+    header: bytes, data_bytes: int
+) -> list[tuple[str, torch.dtype, list[int], int, int]]:
+    """Entries (key, dtype, shape, begin, end) of a header, checked like the reference parser does."""
+    body = json.loads(header.decode("utf-8"))
+    if type(body) is not dict:
+        raise ValueError(f"header is a JSON {type(body).__name__}, expected an object")
+    metadata = body.pop("__metadata__", None)
+    if metadata is not None and not (
+        type(metadata) is dict and all(type(v) is str for v in metadata.values())
+    ):
+        raise ValueError("__metadata__ must map strings to strings")
+    entries = [_header_entry(key, info) for key, info in body.items()]
+    entries.sort(key=lambda entry: (entry[3], entry[4]))
+    expected_begin = 0
+    for key, _, _, begin, end in entries:
+        if begin != expected_begin:
+            raise ValueError(f"tensor {key!r} starts at data byte {begin}, expected {expected_begin} (gap or overlap)")
+        expected_begin = end
+    if expected_begin != data_bytes:
+        raise ValueError(f"tensors cover {expected_begin} data bytes but the file holds {data_bytes} (truncated?)")
+    return entries
+
+
+def _header_entry(key: str, info: Any) -> tuple[str, torch.dtype, list[int], int, int]:
+    if type(info) is not dict:
+        raise ValueError(f"entry {key!r} is not an object")
+    dtype = _DTYPES_BY_NAME.get(info.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise ValueError(f"tensor {key!r} has dtype {info.get('dtype')!r}; supported: {sorted(_DTYPES_BY_NAME)}")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape):
+        raise ValueError(f"tensor {key!r} has shape {shape!r}; expected a list of non-negative ints")
+    if type(offsets) is not list or len(offsets) != 2 or not all(type(n) is int and n >= 0 for n in offsets):
+        raise ValueError(f"tensor {key!r} has data_offsets {offsets!r}; expected [begin, end]")
+    begin, end = offsets
+    nbytes = math.prod(shape) * dtype.itemsize
+    if end - begin != nbytes:
+        raise ValueError(f"tensor {key!r} spans {end - begin} bytes but dtype and shape {shape} need {nbytes}")
+    return key, dtype, shape, begin, end
+
+
+def _uint8_tensor(data: bytes | memoryview | torch.Tensor, view: memoryview) -> torch.Tensor:
+    if isinstance(data, torch.Tensor):
+        return data.reshape(-1)
+    if view.readonly:  # bytes: torch.frombuffer would warn about writes; copy once
+        return torch.frombuffer(bytearray(view), dtype=torch.uint8)
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _tensor_view(buffer: torch.Tensor, begin: int, end: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    raw = buffer[begin:end]
+    if end - begin < _VIEW_MIN_BYTES or (buffer.storage_offset() + begin) % dtype.itemsize:
+        raw = raw.clone()  # small or unaligned: its own (64-byte aligned) memory, as torch.load gives
+    return raw.view(dtype).reshape(shape)
 
 
 def refuse_executable_formats(data: bytes | memoryview, path: str) -> None:

@@ -22,7 +22,12 @@ import safetensors.torch
 import torch
 
 from torchckpt.state.capture import RESERVED_ITEM_NAMES
-from torchckpt.state.errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, UnsafeFileError
+from torchckpt.state.errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    UnsafeFileError,
+)
 from torchckpt.state.reader import read_newest_valid
 from torchckpt.state.storage import open_storage
 
@@ -125,7 +130,9 @@ def import_torch_save(path: str | os.PathLike[str], directory: str | os.PathLike
         5
         >>> tmp.cleanup()
     """
-    from torchckpt.state.checkpointer import Checkpointer  # imported late: checkpointer imports this package
+    from torchckpt.state.checkpointer import (
+        Checkpointer,  # imported late: checkpointer imports this package
+    )
 
     source = os.fspath(path)
     items, found_step = split_legacy_items(_load_weights_only(source), source)

@@ -15,7 +15,11 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from torchckpt.state.catalog import read_manifest, read_step_files
-from torchckpt.state.errors import CheckpointCorruptError, CheckpointNotFoundError, warn_fallback
+from torchckpt.state.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    warn_fallback,
+)
 from torchckpt.state.format import step_dir_name
 from torchckpt.state.snapshot import Snapshot, decode_snapshot
 from torchckpt.state.storage import Storage

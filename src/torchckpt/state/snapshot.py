@@ -7,8 +7,11 @@ Rules kept here:
    and is not simply a flat map of them (the optimizer's param_groups and step
    counts); a model needs no JSON; items without tensors (scheduler, data
    loader, user dicts) live in ``state.json`` with the step, metrics and RNG.
-2. Encoding happens synchronously and produces bytes: that is the host copy an
-   async save writes in the background while training mutates the tensors.
+2. Encoding happens synchronously and produces each file as chunks to write:
+   JSON bytes, safetensors headers and views of host tensor memory. For a sync
+   save those views are the live tensors (no copy); for an async save they are
+   views of the host staging buffer, filled here, which the background thread
+   writes while training mutates the live tensors (staging.py).
 """
 
 from __future__ import annotations
@@ -18,16 +21,21 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from torchckpt.state.codec import (
     decode_json,
     decode_safetensors,
     encode_json,
-    encode_safetensors,
     join_tensors,
+    safetensors_chunks,
     split_tensors,
 )
 from torchckpt.state.errors import CheckpointCorruptError
 from torchckpt.state.format import STATE_NAME
+from torchckpt.state.staging import HostStaging, to_host
+
+FileChunks = list[bytes | memoryview]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +44,7 @@ class Snapshot:
 
     Example:
         >>> files = encode_snapshot(step=3, items={"extras": ("dict", {"epoch": 1})}, rng=None, metrics={})
-        >>> decode_snapshot(files, lambda name: name).items["extras"]
+        >>> decode_snapshot(join_files(files), lambda name: name).items["extras"]
         ('dict', {'epoch': 1})
     """
 
@@ -53,7 +61,9 @@ def _is_flat(tree: Any) -> bool:
     )
 
 
-def _encode_item(name: str, kind: str, state: Any, files: dict[str, bytes | memoryview]) -> dict[str, Any]:
+def _encode_item(
+    name: str, kind: str, state: Any, files: dict[str, FileChunks], tensor_groups: dict[str, dict[str, torch.Tensor]]
+) -> dict[str, Any]:
     tree, tensors = split_tensors(state, name)
     meta: dict[str, Any] = {"kind": kind, "tensor_file": None, "tree_file": None, "tree": None}
     module_metadata = getattr(state, "_metadata", None)  # nn.Module versions, read by load_state_dict
@@ -63,10 +73,10 @@ def _encode_item(name: str, kind: str, state: Any, files: dict[str, bytes | memo
         meta["tree"] = tree
         return meta
     meta["tensor_file"] = f"{name}.safetensors"
-    files[meta["tensor_file"]] = encode_safetensors(tensors)
+    tensor_groups[meta["tensor_file"]] = tensors  # written below, once every item is encoded
     if not _is_flat(tree):
         meta["tree_file"] = f"{name}.json"
-        files[meta["tree_file"]] = encode_json(tree)
+        files[meta["tree_file"]] = [encode_json(tree)]
     return meta
 
 
@@ -76,22 +86,44 @@ def encode_snapshot(
     items: Mapping[str, tuple[str, Any]],
     rng: Mapping[str, Any] | None,
     metrics: Mapping[str, float],
-) -> dict[str, bytes | memoryview]:
-    """Files (name -> bytes) of one step, ``state.json`` included (rules 1, 2).
+    staging: HostStaging | None = None,
+) -> dict[str, FileChunks]:
+    """Files (name -> chunks to write in order) of one step, ``state.json`` included (rules 1, 2).
+
+    With ``staging`` every tensor is copied into its buffer (an async save);
+    without, the chunks view the tensors' own memory (a sync save).
 
     Example:
-        >>> import torch
         >>> sorted(encode_snapshot(step=1, items={"model": ("state_dict", {"w": torch.ones(1)})},
         ...                        rng=None, metrics={}))
         ['model.safetensors', 'state.json']
     """
-    files: dict[str, bytes | memoryview] = {}
-    items_meta = {name: _encode_item(name, kind, state, files) for name, (kind, state) in items.items()}
+    files: dict[str, FileChunks] = {}
+    tensor_groups: dict[str, dict[str, torch.Tensor]] = {}
+    items_meta = {
+        name: _encode_item(name, kind, state, files, tensor_groups) for name, (kind, state) in items.items()
+    }
+    if staging is not None:
+        hosted = dict(zip(tensor_groups, staging.copy(list(tensor_groups.values()))))
+    else:
+        hosted = {name: to_host(tensors) for name, tensors in tensor_groups.items()}
+    for name, tensors in hosted.items():
+        files[name] = safetensors_chunks(tensors)
     rng_tree, rng_tensors = split_tensors(rng, "rng")
     assert not rng_tensors, "capture_rng returns JSON-able values only"
     state = {"step": step, "metrics": dict(metrics), "rng": rng_tree, "items": items_meta}
-    files[STATE_NAME] = encode_json(state)
+    files[STATE_NAME] = [encode_json(state)]
     return files
+
+
+def join_files(files: Mapping[str, FileChunks]) -> dict[str, bytes]:
+    """Each file's chunks joined into bytes (what reading the written files gives back).
+
+    Example:
+        >>> join_files({"a.json": [b"[1,", b"2]"]})
+        {'a.json': b'[1,2]'}
+    """
+    return {name: b"".join(chunks) for name, chunks in files.items()}
 
 
 def decode_snapshot(
@@ -105,7 +137,7 @@ def decode_snapshot(
 
     Example:
         >>> files = encode_snapshot(step=5, items={}, rng=None, metrics={"loss": 1.0})
-        >>> decode_snapshot(files, lambda name: name).metrics
+        >>> decode_snapshot(join_files(files), lambda name: name).metrics
         {'loss': 1.0}
     """
     state = decode_json(_file(files, STATE_NAME, path_of), path_of(STATE_NAME))

@@ -26,8 +26,8 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Protocol
 
 from torchckpt.state.errors import CheckpointLockedError, CheckpointWriteError
 from torchckpt.state.format import (
@@ -40,11 +40,17 @@ from torchckpt.state.format import (
     step_dir_name,
 )
 
+# Files are written and read in pieces of this size: small enough that hashing piece k overlaps
+# writing/reading piece k+1 in another thread, large enough that syscalls cost nothing (issue 4).
+PIECE_BYTES = 16 << 20
+
+Buffer = bytes | memoryview
+
 
 class StepWriter(Protocol):
     """Writes the files of one step, then commits them (or aborts)."""
 
-    def write(self, name: str, data: bytes | memoryview) -> None: ...
+    def write(self, name: str, chunks: Iterable[Buffer], total_bytes: int) -> int: ...
     def commit(self, manifest: bytes) -> None: ...
     def abort(self) -> None: ...
 
@@ -57,6 +63,7 @@ class Storage(Protocol):
     def path_of(self, entry: str, name: str | None = None) -> str: ...
     def step_entries(self) -> dict[int, str]: ...
     def read_file(self, entry: str, name: str) -> bytes: ...
+    def read_into(self, entry: str, name: str, into: memoryview, on_piece: Callable[[memoryview], None]) -> int: ...
     def file_size(self, entry: str, name: str) -> int | None: ...
     def begin_step(self, step: int) -> StepWriter: ...
     def remove_step(self, step: int) -> None: ...
@@ -114,6 +121,34 @@ def _write_fully(fd: int, data: bytes | memoryview) -> int:
     return done
 
 
+def split_pieces(chunks: Iterable[Buffer], piece_bytes: int = PIECE_BYTES) -> Iterator[memoryview]:
+    """The bytes of ``chunks``, in order, as views of at most ``piece_bytes`` each (no copies).
+
+    Example:
+        >>> [bytes(piece) for piece in split_pieces([b"abcde", b"", b"f"], piece_bytes=2)]
+        [b'ab', b'cd', b'e', b'f']
+    """
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        for start in range(0, len(view), piece_bytes):
+            yield view[start : start + piece_bytes]
+
+
+def _read_pieces(handle: BinaryIO, into: memoryview, on_piece: Callable[[memoryview], None]) -> int:
+    """Fill ``into`` from ``handle`` piece by piece, calling ``on_piece`` on each piece as it lands.
+
+    Returns the bytes read, plus one if the file holds more than ``len(into)`` bytes.
+    """
+    done = 0
+    while done < len(into):
+        count = handle.readinto(into[done : done + PIECE_BYTES])
+        if not count:
+            return done
+        on_piece(into[done : done + count])
+        done += count
+    return done + len(handle.read(1))
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -147,6 +182,14 @@ class LocalStorage:
         """Bytes of one file (raises FileNotFoundError if missing)."""
         with open(self.path_of(entry, name), "rb") as handle:
             return handle.read()
+
+    def read_into(self, entry: str, name: str, into: memoryview, on_piece: Callable[[memoryview], None]) -> int:
+        """Read one file into ``into``, piece by piece; returns its length (``len(into) + 1`` if longer).
+
+        Raises FileNotFoundError if it is missing.
+        """
+        with open(self.path_of(entry, name), "rb", buffering=0) as handle:
+            return _read_pieces(handle, into, on_piece)
 
     def file_size(self, entry: str, name: str) -> int | None:
         """Size in bytes of one file, or None if it is missing."""
@@ -226,24 +269,29 @@ class _LocalStepWriter:
         self._temp = storage.path_of(temp_entry)
         self._wrap(lambda: os.mkdir(self._temp), self._temp, 0)
 
-    def write(self, name: str, data: bytes | memoryview) -> None:
-        """Write and fsync one file."""
+    def write(self, name: str, chunks: Iterable[Buffer], total_bytes: int) -> int:
+        """Write ``chunks`` in order as one file and fsync it; returns the bytes written.
+
+        ``total_bytes`` (the sum of the chunks' sizes) is only used in error messages.
+        """
         path = os.path.join(self._temp, name)
         progress = [0]
 
         def write_and_sync() -> None:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                progress[0] = _write_fully(fd, data)
+                for chunk in chunks:
+                    progress[0] += _write_fully(fd, chunk)
                 os.fsync(fd)
             finally:
                 os.close(fd)
 
-        self._wrap(write_and_sync, path, len(data), progress)
+        self._wrap(write_and_sync, path, total_bytes, progress)
+        return progress[0]
 
     def commit(self, manifest: bytes) -> None:
         """Write the manifest last, then rename into place and fsync the parent."""
-        self.write(MANIFEST_NAME, manifest)
+        self.write(MANIFEST_NAME, [manifest], len(manifest))
         final_entry = step_dir_name(self._step)
         final = self._storage.path_of(final_entry)
 
@@ -306,6 +354,11 @@ class FsspecStorage:
     def read_file(self, entry: str, name: str) -> bytes:
         """Bytes of one file (raises FileNotFoundError if missing)."""
         return self._fs.cat_file(self._inner(entry, name))
+
+    def read_into(self, entry: str, name: str, into: memoryview, on_piece: Callable[[memoryview], None]) -> int:
+        """Read one file into ``into``, piece by piece; returns its length (``len(into) + 1`` if longer)."""
+        with self._fs.open(self._inner(entry, name), "rb") as handle:
+            return _read_pieces(handle, into, on_piece)
 
     def file_size(self, entry: str, name: str) -> int | None:
         """Size in bytes of one file, or None if it is missing."""
@@ -370,18 +423,23 @@ class _FsspecStepWriter:
         self._storage = storage
         self._entry = entry
 
-    def write(self, name: str, data: bytes | memoryview) -> None:
-        """Upload one file."""
+    def write(self, name: str, chunks: Iterable[Buffer], total_bytes: int) -> int:
+        """Upload ``chunks`` in order as one file (streamed, not joined); returns the bytes written."""
         path = self._storage._inner(self._entry, name)
+        done = 0
         try:
-            self._storage._fs.pipe_file(path, bytes(data))
+            with self._storage._fs.open(path, "wb") as handle:
+                for chunk in chunks:
+                    handle.write(chunk)
+                    done += memoryview(chunk).nbytes
         except OSError as error:
             self.abort()
-            raise _write_error(self._storage.path_of(self._entry, name), error, 0, len(data)) from error
+            raise _write_error(self._storage.path_of(self._entry, name), error, done, total_bytes) from error
+        return done
 
     def commit(self, manifest: bytes) -> None:
         """Upload the manifest: from now on the step is a checkpoint."""
-        self.write(MANIFEST_NAME, manifest)
+        self.write(MANIFEST_NAME, [manifest], len(manifest))
 
     def abort(self) -> None:
         """Remove what was uploaded (best effort; start-up cleans what is left)."""
