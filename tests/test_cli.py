@@ -14,7 +14,7 @@ from torchckpt.cli.main import main
 
 def _torchckpt(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", COLUMNS="120")
-    return subprocess.run([sys.executable, "-m", "torchckpt.cli.main", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "torchckpt.cli.main", *args], check=False, capture_output=True, text=True,
                           timeout=600, env=env)
 
 
@@ -24,7 +24,8 @@ def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"torchckpt {torchckpt.__version__}"
     assert main([]) == 0
-    assert "demo" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "demo" in out and "train" in out
 
 
 def test_demo_reports_memory_saving_and_equal_gradients() -> None:
@@ -43,7 +44,7 @@ def test_bad_option_is_explained() -> None:
     assert "must be a positive integer; got 0" in result.stderr
 
 
-def test_plan_and_frontier_commands(tmp_path) -> None:  # noqa: ANN001
+def test_plan_and_frontier_commands(tmp_path) -> None:
     out = tmp_path / "plan.json"
     result = _torchckpt("plan", "--model", "gpt-tiny", "--batch-size", "4", "--seq-len", "128", "--budget", "75%",
                         "--out", str(out))

@@ -11,15 +11,49 @@ import pytest
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-@pytest.mark.parametrize("page", ["planner.md", "loops.md"])
+@pytest.mark.parametrize("page", ["planner.md", "loops.md", "train.md", "hf.md"])
 def test_first_python_example_runs(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    block = re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), flags=re.S)[0]
+    import torch
+
+    block = re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), flags=re.DOTALL)[0]
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(compile(block, str(DOCS / page), "exec"), namespace)  # noqa: S102 - our own docs
+    threads = torch.get_num_threads()
+    try:
+        exec(compile(block, str(DOCS / page), "exec"), namespace)  # noqa: S102 - our own docs
+    finally:
+        torch.set_num_threads(threads)  # train.md's example sets --threads 1
     if page == "planner.md":
         assert namespace["report"].within_budget and namespace["report"].gradients_equal
         assert (tmp_path / "frontier.png").stat().st_size > 0
+    elif page == "train.md":
+        assert namespace["summary"]["step"] == 4 and sorted(namespace["losses"]) == [1, 2, 3, 4]
+    elif page == "hf.md":
+        from torchckpt.integrations import hf
+
+        assert not hf.is_enabled(namespace["model"]) and namespace["handle"].plan.predicted_extra_time_s > 0
     else:
         assert namespace["stats"].step_evaluations > 10_000
     assert os.getcwd() == str(tmp_path)
+
+
+def test_train_md_commands_run_as_written(tmp_path: Path) -> None:
+    """Every command in docs/train.md's "Commands" block, in order, in a temporary directory."""
+    import subprocess
+    import sys
+
+    section = (DOCS / "train.md").read_text().split("## Commands", 1)[1]
+    block = re.findall(r"```bash\n(.*?)```", section, flags=re.DOTALL)[0]
+    commands = [line.split() for line in block.splitlines() if line.strip()]
+    assert [c[:2] for c in commands] == [["torchckpt", "train"], ["torchckpt", "train"], ["torchckpt", "ls"]]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", COLUMNS="120")
+    outputs = []
+    for command in commands:
+        result = subprocess.run([sys.executable, "-m", "torchckpt.cli.main", *command[1:]], check=False, cwd=tmp_path,
+                                capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 0, (command, result.stderr)
+        outputs.append(result.stdout)
+    assert "step 4/4" in outputs[0] and "validation loss" in outputs[0]
+    assert "reused the plan saved in runs/tiny/plan.json" in outputs[1]
+    assert "resumed from runs/tiny/checkpoints/step-000000004" in outputs[1] and "step 6/6" in outputs[1]
+    assert "step-000000006" not in outputs[0] and all(f"{s}" in outputs[2] for s in (2, 4, 6))

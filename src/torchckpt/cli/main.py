@@ -15,9 +15,11 @@ from torchckpt._version import __version__
 
 # Modules that contribute subcommands, in the order `--help` lists them.
 _COMMAND_MODULES: tuple[str, ...] = (
+    "torchckpt.cli.train_commands",
     "torchckpt.cli.demo",
     "torchckpt.cli.plan_commands",
     "torchckpt.cli.state_commands",
+    "torchckpt.cli.bench_commands",
 )
 
 

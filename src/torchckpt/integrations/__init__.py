@@ -1,0 +1,1 @@
+"""Integrations with other libraries. ``torchckpt.integrations.hf``: Hugging Face transformers models."""

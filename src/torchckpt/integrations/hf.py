@@ -1,0 +1,167 @@
+"""Hugging Face transformers: plan activation checkpointing for a model under a budget, in place, undoable.
+
+    from torchckpt.integrations import hf
+    hf.enable(model, budget="60%", example_inputs=batch)     # plan + apply; then train as usual (Trainer too)
+    hf.disable(model)                                         # the model is exactly as before
+
+Rules kept here:
+
+1. ``enable`` changes nothing but block forwards (instance attributes, DESIGN invariant 5) and, while
+   enabled, ``use_cache`` of the model's config and of every submodule's own config (T5's decoder stack
+   has a copy): False, as HF's own gradient checkpointing requires: a KV cache written in the forward
+   pass makes recomputation differ. Parameters, buffers, train/eval mode and the torch
+   RNG are as before the call (planning takes real steps; they are undone). ``save_pretrained`` writes
+   the same tensors under the same names.
+2. ``disable`` undoes exactly what ``enable`` did; a model is enabled at most once at a time. The
+   enabled models are kept in one explicit registry (weak references, so a model is not kept alive).
+3. HF's own gradient checkpointing and torchckpt's plan do not stack: ``enable`` refuses a model on
+   which ``gradient_checkpointing_enable()`` was called.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchckpt.remat.apply import CheckpointHandle, apply_plan
+from torchckpt.remat.plan import Plan
+from torchckpt.train.planning import plan_without_side_effects
+
+__all__ = ["HFHandle", "disable", "enable", "is_enabled"]
+
+_log = logging.getLogger("torchckpt.integrations.hf")
+_ENABLED: weakref.WeakKeyDictionary[nn.Module, HFHandle] = weakref.WeakKeyDictionary()  # rule 2
+
+
+@dataclass(kw_only=True)
+class HFHandle:
+    """What :func:`enable` did to a model: the plan, the wrapped blocks, and the ``use_cache`` it replaced."""
+
+    plan: Plan
+    checkpoints: CheckpointHandle
+    use_cache_before: bool | None
+    caching_configs: list[Any]
+    model_ref: weakref.ref
+
+    def remove(self) -> None:
+        """Same as ``disable(model)``."""
+        model = self.model_ref()
+        if model is not None:
+            disable(model)
+
+
+def is_enabled(model: nn.Module) -> bool:
+    """True while ``model`` runs under a plan from :func:`enable`.
+
+    Example:
+        >>> is_enabled(nn.Linear(2, 2))
+        False
+    """
+    return model in _ENABLED
+
+
+def _hf_checkpointing_on(model: nn.Module) -> bool:
+    # transformers >= 5.x renamed is_gradient_checkpointing (deprecated, warns) to is_activation_checkpointing
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
+        "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))
+
+
+def _configs_with_cache(model: nn.Module) -> list[Any]:
+    """Every distinct config with ``use_cache=True`` held by the model or a submodule: encoder-decoder models
+    give their decoder stack its own copy of the config (T5), which decides whether the decoder caches."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", None) is True:
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
+def _inputs(example_inputs: Any) -> tuple | dict:
+    if isinstance(example_inputs, Mapping):  # HF BatchEncoding and Trainer batches are Mappings, not dicts
+        return dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    raise TypeError(f"example_inputs must be a dict of keyword arguments (an HF batch), a tuple of positional "
+                    f"arguments or one tensor; got {type(example_inputs).__name__}")
+
+
+def enable(model: nn.Module, *, budget: int | str, example_inputs: Any, optimizer: str | None = "adamw",
+           loss_fn: Callable[[Any], torch.Tensor] | None = None) -> HFHandle:
+    """Plan activation checkpointing for one training step of ``model`` within ``budget`` and apply it.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (or any module with repeated blocks).
+        budget: the step's peak: bytes, ``"6GiB"``, or a percentage of the peak without checkpointing.
+        example_inputs: one training batch (a dict such as a Trainer batch, with ``labels`` so that
+            ``model(**batch).loss`` exists, or pass ``loss_fn``).
+        optimizer: ``"adamw"`` counts AdamW's state (two moments per trainable parameter) in the budget;
+            ``None`` leaves optimizer state out. Call ``enable`` before the optimizer exists (a Trainer
+            builds it in ``train()``), or its state is counted twice.
+        loss_fn: maps the model output to the scalar loss (default: ``output.loss``).
+
+    Raises ``InfeasibleBudgetError`` naming the smallest feasible peak when the budget is too small.
+
+    Example:
+        >>> import transformers
+        >>> config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32)
+        >>> model = transformers.GPT2LMHeadModel(config)
+        >>> ids = torch.randint(0, 64, (2, 16))
+        >>> handle = enable(model, budget="100%", example_inputs={"input_ids": ids, "labels": ids})
+        >>> model.config.use_cache, is_enabled(model)
+        (False, True)
+        >>> disable(model); model.config.use_cache
+        True
+    """
+    if is_enabled(model):
+        raise ValueError(f"{type(model).__name__} already runs under torchckpt.integrations.hf.enable; call "
+                         "hf.disable(model) first, then enable it again with the new budget")
+    if _hf_checkpointing_on(model):  # rule 3
+        raise ValueError(f"{type(model).__name__} has HF gradient checkpointing on; torchckpt's plan replaces it. "
+                         "Fix: call model.gradient_checkpointing_disable() (activation_checkpointing_disable() in "
+                         "newer transformers) and do not pass gradient_checkpointing=True to TrainingArguments")
+    inputs = _inputs(example_inputs)
+    config = getattr(model, "config", None)
+    use_cache_before = getattr(config, "use_cache", None) if config is not None else None
+    caching = _configs_with_cache(model)
+    if caching:
+        for sub_config in caching:
+            sub_config.use_cache = False
+        _log.warning("torchckpt: set %s.config.use_cache=False while activation checkpointing is enabled (a KV "
+                     "cache written in the forward pass would make recomputation differ; HF's gradient "
+                     "checkpointing does the same); hf.disable(model) sets it back", type(model).__name__)
+    try:
+        plan = plan_without_side_effects(model, inputs, budget, optimizer=optimizer, loss_fn=loss_fn)
+        checkpoints = apply_plan(model, plan)
+    except BaseException:
+        for sub_config in caching:
+            sub_config.use_cache = True
+        raise
+    handle = HFHandle(plan=plan, checkpoints=checkpoints, use_cache_before=use_cache_before,
+                      caching_configs=caching, model_ref=weakref.ref(model))
+    _ENABLED[model] = handle
+    return handle
+
+
+def disable(model: nn.Module) -> None:
+    """Undo :func:`enable`: original block forwards and ``config.use_cache``; a no-op if not enabled.
+
+    Example:
+        >>> disable(nn.Linear(2, 2))
+    """
+    handle = _ENABLED.pop(model, None)
+    if handle is None:
+        return
+    handle.checkpoints.remove()
+    for sub_config in handle.caching_configs:
+        sub_config.use_cache = True
+

@@ -1,0 +1,124 @@
+"""Plan a model for training without changing it: parameters, buffers, train/eval mode and RNG come back.
+
+``torchckpt.plan(..., optimizer=...)`` takes real training steps (so that optimizer state exists while
+it measures). Here those steps run with a throwaway AdamW over the trainable parameters; afterwards
+every parameter and buffer is copied back from a host snapshot and the torch RNG state is restored, so
+a run that plans and a run that loads a saved plan continue bitwise alike. The snapshot is NumPy
+memory, not tensors, so it does not count in the measured peaks (``MemoryMeter`` counts tensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from torchckpt.remat.plan import Plan, PlanMismatchError
+from torchckpt.remat.planner import plan as make_plan
+
+__all__ = ["load_or_make_plan", "plan_without_side_effects", "preserved_state"]
+
+
+def _host_bytes(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().copy()
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module) -> Iterator[None]:
+    """Put back the model's parameters, buffers, mode and the torch RNG state when the block exits.
+
+    Example:
+        >>> layer = nn.Linear(2, 2)
+        >>> before = layer.weight.detach().clone()
+        >>> with preserved_state(layer), torch.no_grad():
+        ...     _ = layer.weight.add_(1.0)
+        >>> torch.equal(layer.weight, before)
+        True
+    """
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    saved = {name: (_host_bytes(t), t.dtype, t.shape) for name, t in tensors.items()}
+    modes = {name: module.training for name, module in model.named_modules()}
+    rng = torch.get_rng_state().numpy().copy()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                data, dtype, shape = saved[name]
+                tensor.copy_(torch.from_numpy(data).view(dtype).view(shape))
+        for name, module in model.named_modules():
+            module.training = modes.get(name, module.training)
+        torch.set_rng_state(torch.from_numpy(rng))
+
+
+def plan_without_side_effects(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
+                              optimizer: str | None = "adamw",
+                              loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Plan:
+    """``torchckpt.plan`` in training mode, with AdamW state counted, leaving ``model`` and RNG as they were.
+
+    ``optimizer="adamw"`` reserves what AdamW will hold (two moments per trainable parameter) by
+    planning with a throwaway AdamW; ``None`` plans without optimizer state. Call it before building
+    the real optimizer, or that optimizer's state is counted as well.
+
+    Example:
+        >>> from torchckpt.models import gpt
+        >>> model = gpt("tiny")
+        >>> plan = plan_without_side_effects(model, model.example_batch(batch_size=2, seq_len=16), "100%")
+        >>> plan.predicted_extra_time_s
+        0.0
+    """
+    if optimizer not in ("adamw", None):
+        raise ValueError(f"optimizer={optimizer!r}: use 'adamw' (reserve AdamW's state) or None (no optimizer state)")
+    # Unreachable tensors in reference cycles (a model or trainer dropped earlier) are live storages until the
+    # collector runs: left there, they would count as fixed bytes while profiling, or vanish in the middle of it.
+    gc.collect()
+    with preserved_state(model):
+        model.train()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("the model has no parameter with requires_grad=True: there is nothing to train or plan")
+        throwaway = torch.optim.AdamW(trainable, lr=0.0) if optimizer == "adamw" else None
+        try:
+            return make_plan(model, example_inputs, budget, optimizer=throwaway, loss_fn=loss_fn)
+        finally:
+            for param in model.parameters():
+                param.grad = None
+            del throwaway
+
+
+def load_or_make_plan(path: Path, model: nn.Module, example_inputs: tuple | dict, budget: int | str,
+                      budget_recorded: object) -> tuple[Plan, str]:
+    """Reuse the plan at ``path`` when it fits the model, inputs and budget; else make and save a new one.
+
+    Returns the plan and a line saying which happened (and why a saved plan was not reused).
+
+    Example:
+        >>> import tempfile
+        >>> from torchckpt.models import gpt
+        >>> model, tmp = gpt("tiny"), tempfile.TemporaryDirectory()
+        >>> batch, path = model.example_batch(batch_size=2, seq_len=16), Path(tmp.name) / "plan.json"
+        >>> load_or_make_plan(path, model, batch, "100%", None)[1].startswith("planned")
+        True
+        >>> load_or_make_plan(path, model, batch, "100%", "100%")[1].startswith("reused")
+        True
+        >>> tmp.cleanup()
+    """
+    reason = "no saved plan"
+    if path.is_file():
+        if budget_recorded != budget:
+            reason = f"the budget changed ({budget_recorded!r} -> {budget!r})"
+        else:
+            try:
+                return Plan.load(path, model, example_inputs), f"reused the plan saved in {path}"
+            except (PlanMismatchError, ValueError) as error:
+                reason = f"the saved plan does not fit ({error})"
+    plan = plan_without_side_effects(model, example_inputs, budget)
+    plan.save(path)
+    return plan, f"planned ({reason}); saved to {path}"

@@ -1,0 +1,122 @@
+"""Live progress of a training run: a rich status line on a terminal, plain lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+from torchckpt._units import format_bytes
+
+__all__ = ["Display", "PlainDisplay", "RichDisplay", "StepReport", "make_display"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepReport:
+    """What one training step shows."""
+
+    step: int
+    total_steps: int
+    loss: float
+    tokens_per_s: float
+    peak_bytes: int
+    budget_bytes: int
+    next_checkpoint_step: int
+    next_checkpoint_s: float
+
+    def line(self) -> str:
+        """The report as one line.
+
+        Example:
+            >>> StepReport(step=3, total_steps=10, loss=2.5, tokens_per_s=1000.0, peak_bytes=2**20,
+            ...            budget_bytes=2**21, next_checkpoint_step=5, next_checkpoint_s=1.5).line()
+            'step 3/10  loss 2.5000  1,000 tok/s  peak 1.00 MiB / budget 2.00 MiB  checkpoint at step 5 in ~2 s'
+        """
+        return (f"step {self.step}/{self.total_steps}  loss {self.loss:.4f}  {self.tokens_per_s:,.0f} tok/s  "
+                f"peak {format_bytes(self.peak_bytes)} / budget {format_bytes(self.budget_bytes)}  "
+                f"checkpoint at step {self.next_checkpoint_step} in ~{self.next_checkpoint_s:.0f} s")
+
+
+class Display:
+    """Shows step reports and messages; ``close()`` ends a live display."""
+
+    def step(self, report: StepReport) -> None:
+        """Show one step."""
+        raise NotImplementedError
+
+    def message(self, text: str) -> None:
+        """Show a line that stays (a checkpoint was written, ...)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop a live display (idempotent)."""
+
+
+class PlainDisplay(Display):
+    """Plain lines (for logs and pipes): every ``every``-th step, the first and the last.
+
+    Example:
+        >>> import io
+        >>> out = io.StringIO(); display = PlainDisplay(every=2, stream=out)
+        >>> display.message("hello"); out.getvalue()
+        'hello\\n'
+    """
+
+    def __init__(self, every: int = 1, stream: TextIO | None = None) -> None:
+        self.every = max(1, every)
+        self.stream = stream
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.stream or sys.stdout, flush=True)
+
+    def step(self, report: StepReport) -> None:
+        if report.step % self.every == 0 or report.step == report.total_steps or report.step == 1:
+            self._print(report.line())
+
+    def message(self, text: str) -> None:
+        self._print(text)
+
+
+class RichDisplay(Display):
+    """A live status line under the messages, redrawn every step (rich)."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+
+        self._text = Text
+        self.console = Console()
+        self._live = Live(Text("starting ..."), console=self.console, refresh_per_second=4, transient=True)
+        self._live.start()
+        self._last: StepReport | None = None
+
+    def step(self, report: StepReport) -> None:
+        self._last = report
+        self._live.update(self._text(report.line(), style="bold"))
+
+    def message(self, text: str) -> None:
+        self._live.console.print(text, highlight=False, markup=False)
+
+    def close(self) -> None:
+        if self._live.is_started:
+            self._live.stop()
+            if self._last is not None:
+                self.console.print(self._last.line(), highlight=False, markup=False)
+
+
+def make_display(total_steps: int, live: bool | None = None) -> Display:
+    """A rich live line when stdout is a terminal (and rich is installed), else plain lines.
+
+    Example:
+        >>> type(make_display(100, live=False)).__name__
+        'PlainDisplay'
+    """
+    if live is None:
+        live = sys.stdout.isatty()
+    if live:
+        try:
+            return RichDisplay()
+        except ImportError:
+            pass
+    return PlainDisplay(every=max(1, total_steps // 20))

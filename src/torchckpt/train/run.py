@@ -1,0 +1,395 @@
+"""``torchckpt train``: a character-level GPT on the Python standard library, planned under a budget, resumable.
+
+Rules kept here:
+
+1. Planning never changes the training run: it works on the real model but puts parameters, buffers
+   and the torch RNG back (``planning.preserved_state``), so a run that plans and one that reuses a
+   saved plan are bitwise alike, and so is a run with any plan (DESIGN invariant 7).
+2. Everything the next step depends on is in the checkpoint: model, AdamW, LR schedule, data loader
+   position (seeded sampler), RNG streams; the loss log is cut back to the restored step on resume,
+   so it always reads as one uninterrupted run.
+3. A run directory belongs to one run: ``run.json`` records the options that define it; a command
+   with different ones is refused, naming the option (``--steps``, ``--save-every``, ``--budget`` may
+   change: more steps continue the run, a new budget makes a new plan).
+4. Ctrl-C / SIGTERM only set a flag; the step in progress finishes, the state is saved, the process
+   exits with code 0 (``Checkpointer(save_on_preemption=True)``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from torchckpt._units import format_bytes
+from torchckpt.memory import MemoryMeter
+from torchckpt.models import gpt
+from torchckpt.remat.apply import apply_plan
+from torchckpt.remat.plan import Plan
+from torchckpt.remat.profile import default_loss
+from torchckpt.state import Checkpointer
+from torchckpt.train.config import TrainConfig
+from torchckpt.train.data import ByteChunks, load_stdlib_corpus, make_loader
+from torchckpt.train.planning import load_or_make_plan, preserved_state
+from torchckpt.train.progress import Display, StepReport, make_display
+
+__all__ = ["WARMUP_STEPS", "TrainError", "build_model", "format_summary", "train"]
+
+WARMUP_STEPS = 20  # linear LR warm-up; independent of --steps, so a longer run continues a shorter one
+VALIDATION_BATCHES = 8
+SAMPLE_PROMPT = b"def "
+SAMPLE_BYTES = 240
+
+
+class TrainError(ValueError):
+    """A training run cannot start as asked; the message names the option and the fix."""
+
+
+def build_model(config: TrainConfig) -> tuple[nn.Module, str]:
+    """The built-in GPT of ``config.size`` or the user's ``--model path.py:factory``, and a description.
+
+    Example:
+        >>> model, text = build_model(TrainConfig(size="tiny"))
+        >>> text
+        "gpt('tiny'): 2 layers x 64, 0.13M parameters, dropout 0.1"
+    """
+    if config.model is None:
+        model = gpt(config.size, dropout=config.dropout)
+        c = model.config
+        text = f"gpt({config.size!r}): {c.n_layer} layers x {c.d_model}"
+    else:
+        from torchckpt.cli.plan_commands import load_model
+
+        try:
+            model, _ = load_model(config.model, config.batch_size, config.seq_len)
+        except SystemExit as error:
+            raise TrainError(str(error.code)) from None
+        except Exception as error:  # noqa: BLE001 - the user's file or factory may raise anything: one line
+            raise TrainError(f"--model {config.model}: building the model failed with "
+                             f"{type(error).__name__}: {error}") from None
+        if not isinstance(model, nn.Module):
+            raise TrainError(f"--model {config.model}: the factory returned a {type(model).__name__}, not an "
+                             "nn.Module (return the model, or (model, example_inputs))")
+        text = f"{config.model} ({type(model).__name__})"
+    params = sum(p.numel() for p in model.parameters())
+    dropout = f", dropout {config.dropout}" if config.model is None else ""
+    return model, f"{text}, {params / 1e6:.2f}M parameters{dropout}"
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _check_identity(run_dir: Path, config: TrainConfig) -> dict[str, Any]:
+    """Rule 3: read (or write) run.json; refuse options that differ from the run in this directory."""
+    path = run_dir / "run.json"
+    wanted = config.identity()
+    if not path.is_file():  # written once planning succeeds (_plan), so a failed start leaves no claim
+        return {"identity": wanted, "plan_budget": None}
+    record = json.loads(path.read_text())
+    for name, value in record["identity"].items():
+        if wanted.get(name) != value:
+            option = "--" + name.replace("_", "-")
+            raise TrainError(f"{run_dir} holds a run with {option} {value!r}; this command has {option} "
+                             f"{wanted.get(name)!r}. Fix: repeat the run's options to resume it, or pass a new "
+                             f"--dir to start another run")
+    return record
+
+
+def _loss_of(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    loss = default_loss(model(ids, targets))
+    if loss.dim() != 0:
+        raise TrainError("the model's loss is not a scalar; model(ids, targets) must return the mean loss")
+    return loss
+
+
+def _measure_plain_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+    """Peak and time of one uncheckpointed step with AdamW state alive (rule 1: changes nothing)."""
+    with preserved_state(model):
+        model.train()
+        throwaway = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
+        for _ in range(2):  # the first step creates AdamW's state; the second is measured
+            start = time.perf_counter()
+            with MemoryMeter() as meter:
+                _loss_of(model, *batch).backward()
+                throwaway.step()
+                throwaway.zero_grad(set_to_none=True)
+            step_s = time.perf_counter() - start
+        del throwaway
+    return {"peak_bytes": meter.peak_bytes, "step_s": step_s}
+
+
+class _LossLog:
+    """losses.jsonl: one line per step, the loss as float.hex (bitwise) and as a number (rule 2)."""
+
+    def __init__(self, path: Path, keep_through_step: int) -> None:
+        self.path = path
+        lines = path.read_text().splitlines() if path.is_file() else []
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= keep_through_step]
+        path.write_text("".join(line + "\n" for line in kept))
+        self._handle = path.open("a")
+
+    def write(self, step: int, loss: float) -> None:
+        self._handle.write(json.dumps({"step": step, "loss_hex": loss.hex(), "loss": loss}) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def read_losses(run_dir: str | Path) -> dict[int, str]:
+    """The run's per-step losses as ``{step: float.hex}`` (what resume tests compare bitwise).
+
+    Example:
+        >>> read_losses("/nonexistent")
+        {}
+    """
+    path = Path(run_dir) / "losses.jsonl"
+    if not path.is_file():
+        return {}
+    entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {entry["step"]: entry["loss_hex"] for entry in entries}
+
+
+@torch.no_grad()
+def _validation_loss(model: nn.Module, dataset: ByteChunks, batch_size: int) -> float:
+    was_training = model.training
+    model.eval()
+    count = min(VALIDATION_BATCHES, len(dataset) // batch_size)
+    losses = [_loss_of(model, *dataset.batch(range(i * batch_size, (i + 1) * batch_size))).item()
+              for i in range(max(count, 1))]
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def _sample(model: nn.Module, seq_len: int, seed: int) -> str:
+    """Generate text from SAMPLE_PROMPT with a private generator (the training RNG is untouched)."""
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([list(SAMPLE_PROMPT)], dtype=torch.long)
+    try:
+        for _ in range(SAMPLE_BYTES):
+            logits = model(ids[:, -seq_len:])
+            if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+                return "(no sample: model(ids) does not return logits of shape [batch, seq, vocab])"
+            probs = torch.softmax(logits[0, -1].float() / 0.8, dim=-1)
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=generator).view(1, 1)], dim=1)
+    finally:
+        model.train(was_training)
+    text = bytes(ids[0].tolist()).decode("utf-8", errors="replace")
+    return "".join(c if (c.isprintable() and c != "\ufffd") or c == "\n" else "?" for c in text.replace("\t", "    "))
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The end-of-run report as text.
+
+    Example:
+        >>> text = format_summary({"step": 2, "train_loss": 3.0, "validation_loss": 3.1, "sample": "def x",
+        ...     "peak_bytes": 80, "budget_bytes": 100, "predicted_peak_bytes": 90, "plain_peak_bytes": 200,
+        ...     "predicted_extra_s": 0.1, "plain_step_s": 1.0, "mean_step_s": 1.2, "checkpoints": "runs/x",
+        ...     "checkpoint_steps": [2]})
+        >>> "60% less" in text
+        True
+    """
+    s = summary
+    saving = 1 - s["peak_bytes"] / max(s["plain_peak_bytes"], 1)
+    within = "within" if s["peak_bytes"] <= s["budget_bytes"] else "OVER"
+    overhead = s["predicted_extra_s"] / max(s["plain_step_s"], 1e-9)
+    measured = s["mean_step_s"] / max(s["plain_step_s"], 1e-9) - 1 if s.get("mean_step_s") else float("nan")
+    sample = "\n".join("    " + line for line in s["sample"].splitlines())
+    return "\n".join([
+        (f"step {s['step']}: train loss {s['train_loss']:.4f}, validation loss {s['validation_loss']:.4f} "
+         f"(uniform guess over bytes: {math.log(256):.2f})"),
+        (f"memory: measured peak {format_bytes(s['peak_bytes'])} ({within} budget {format_bytes(s['budget_bytes'])}; "
+         f"predicted {format_bytes(s['predicted_peak_bytes'])}); without checkpointing "
+         f"{format_bytes(s['plain_peak_bytes'])}: {saving:.0%} less"),
+        (f"time: the plan predicts +{s['predicted_extra_s'] * 1e3:.0f} ms of recomputation per step = "
+         f"{overhead:+.0%} of an uncheckpointed step ({s['plain_step_s']:.2f} s, measured once); measured "
+         f"mean step {s['mean_step_s']:.2f} s ({measured:+.0%})"),
+        "sample (temperature 0.8):",
+        sample,
+        f"checkpoints: {s['checkpoints']} (steps {', '.join(map(str, s['checkpoint_steps']))})",
+    ])
+
+
+def train(config: TrainConfig, *, say: Callable[[str], None] = print, display: Display | None = None,
+          live: bool | None = None) -> dict[str, Any]:
+    """Run (or resume, or report) the training run ``config`` describes; returns the summary.
+
+    The measured peak covers the whole step: forward, backward, gradient clipping and the AdamW update.
+    The plan's budget covers forward and backward with AdamW state alive; when parameters dominate
+    (tiny models, tiny batches), the AdamW update's own temporaries can peak above it.
+
+    Example:
+        >>> import tempfile, torch
+        >>> tmp, threads = tempfile.TemporaryDirectory(), torch.get_num_threads()
+        >>> config = TrainConfig(size="tiny", batch_size=4, seq_len=64, steps=2, save_every=2, budget="90%",
+        ...                      dir=tmp.name, threads=1)
+        >>> summary = train(config, say=lambda text: None, live=False)  # doctest: +ELLIPSIS
+        step 1/2 ...
+        step 2/2 ...
+        saved step 2 to ...
+        >>> summary["step"], summary["peak_bytes"] <= summary["budget_bytes"]
+        (2, True)
+        >>> tmp.cleanup(); torch.set_num_threads(threads)
+    """
+    run_dir = config.run_dir
+    record = _check_identity(run_dir, config)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep_last=3, save_every_steps=config.save_every,
+                                save_on_preemption=True)
+    try:
+        finished = _finished_summary(config, checkpointer)
+        if finished is not None:
+            say(f"{run_dir} holds a finished run (step {finished['step']} of --steps {config.steps}); not training "
+                f"again. To train further, give more steps with the same options (e.g. `torchckpt train --steps "
+                f"{finished['step'] * 2}`): the run continues from step {finished['step']}.")
+            say(format_summary(finished))
+            return finished
+        _seed_everything(config.seed)
+        model, description = build_model(config)
+        corpus = load_stdlib_corpus()
+        train_set = ByteChunks(corpus.train, config.seq_len)
+        validation_set = ByteChunks(corpus.validation, config.seq_len)
+        loader = make_loader(train_set, config.batch_size, config.seed)
+        say(f"model: {description}")
+        say(f"text: {corpus.describe()}")
+        return _run(config, record, model, train_set, validation_set, loader, checkpointer, say, display, live)
+    finally:
+        checkpointer.close()
+
+
+def _finished_summary(config: TrainConfig, checkpointer: Checkpointer) -> dict[str, Any] | None:
+    """The saved summary when the newest checkpoint is at or past --steps and the summary describes it."""
+    latest = checkpointer.latest_step()
+    path = config.run_dir / "summary.json"
+    if latest is None or latest < config.steps or not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    return summary if summary.get("step") == latest else None
+
+
+def _plan(config: TrainConfig, record: dict[str, Any], model: nn.Module, example: tuple,
+          say: Callable[[str], None]) -> tuple[Plan, dict[str, float]]:
+    run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    say(f"planning activation checkpointing for a budget of {config.budget} (whole step: parameters, gradients, "
+        "AdamW state, activations) ...")
+    plan, how = load_or_make_plan(run_dir / "plan.json", model, example, config.budget, record.get("plan_budget"))
+    baseline_path = run_dir / "baseline.json"
+    if how.startswith("reused") and baseline_path.is_file():
+        baseline = json.loads(baseline_path.read_text())
+    else:
+        baseline = _measure_plain_step(model, example)
+        baseline_path.write_text(json.dumps(baseline))
+    record["plan_budget"] = config.budget
+    (run_dir / "run.json").write_text(json.dumps(record, indent=1))
+    say(how)
+    say(plan.table())
+    return plan, baseline
+
+
+def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_set: ByteChunks,
+         validation_set: ByteChunks, loader: Any, checkpointer: Checkpointer, say: Callable[[str], None],
+         display: Display | None, live: bool | None) -> dict[str, Any]:
+    run_dir = config.run_dir
+    summary_path = run_dir / "summary.json"
+    example = train_set.batch(range(config.batch_size))
+    plan, baseline = _plan(config, record, model, example, say)
+    handle = apply_plan(model, plan)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / WARMUP_STEPS, total_iters=WARMUP_STEPS)
+    progress = {"peak_bytes": 0, "timed_steps": 0, "timed_s": 0.0, "last_loss": float("nan")}
+    items = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "progress": progress}
+    step = checkpointer.restore(**items) or 0
+    if step:
+        say(f"resumed from {checkpointer.directory}/step-{step:09d} (model, AdamW, LR schedule, data position, RNG)")
+    if step < config.steps:
+        step = _train_steps(config, plan, step, items, checkpointer, display, live)
+    elif step > config.steps:
+        say(f"{run_dir} is already at step {step}, beyond --steps {config.steps}; reporting it")
+    if checkpointer.latest_step() != step:
+        checkpointer.save(step, **items, metrics={"loss": progress["last_loss"]})
+    checkpointer.wait()
+    checkpoint_steps = [info.step for info in checkpointer.list() if info.valid]
+    summary = {
+        "step": step, "train_loss": progress["last_loss"],
+        "validation_loss": _validation_loss(model, validation_set, config.batch_size),
+        "sample": _sample(model, config.seq_len, config.seed), "peak_bytes": progress["peak_bytes"],
+        "budget_bytes": plan.budget_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "plain_peak_bytes": baseline["peak_bytes"], "predicted_extra_s": plan.predicted_extra_time_s,
+        "plain_step_s": baseline["step_s"],
+        "mean_step_s": progress["timed_s"] / max(progress["timed_steps"], 1),
+        "checkpoints": str(checkpointer.directory), "checkpoint_steps": checkpoint_steps,
+    }
+    handle.remove()
+    summary_path.write_text(json.dumps(summary, indent=1))
+    say(format_summary(summary))
+    return summary
+
+
+def _train_steps(config: TrainConfig, plan: Plan, step: int, items: dict[str, Any], checkpointer: Checkpointer,
+                 display: Display | None, live: bool | None) -> int:
+    model, optimizer, scheduler, loader, progress = (items[k] for k in ("model", "optimizer", "scheduler", "loader",
+                                                                          "progress"))
+    log = _LossLog(config.run_dir / "losses.jsonl", keep_through_step=step)
+    display = display or make_display(config.steps, live)
+    tokens = config.batch_size * config.seq_len
+    recent_s: list[float] = []
+    first_of_session = True
+    try:
+        while step < config.steps:
+            for ids, targets in loader:
+                step += 1
+                start = time.perf_counter()
+                with MemoryMeter() as meter:
+                    loss = _loss_of(model, ids, targets)
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    value = loss.item()
+                    del loss
+                step_s = time.perf_counter() - start
+                if not first_of_session:  # the first step of a process pays for allocation and warm-up
+                    progress["timed_steps"] += 1
+                    progress["timed_s"] += step_s
+                first_of_session = False
+                recent_s = (recent_s + [step_s])[-10:]
+                progress["peak_bytes"] = max(progress["peak_bytes"], meter.peak_bytes)
+                progress["last_loss"] = value
+                log.write(step, value)
+                next_save = min(config.steps, (step // config.save_every + 1) * config.save_every)
+                mean_s = sum(recent_s) / len(recent_s)
+                display.step(StepReport(step=step, total_steps=config.steps, loss=value, tokens_per_s=tokens / step_s,
+                                        peak_bytes=meter.peak_bytes, budget_bytes=plan.budget_bytes,
+                                        next_checkpoint_step=next_save, next_checkpoint_s=(next_save - step) * mean_s))
+                if not math.isfinite(value):
+                    raise TrainError(f"the loss is {value} at step {step}; lower --lr (now {config.lr})")
+                if checkpointer.maybe_save(step, metrics={"loss": value}, **items):
+                    display.message(f"saved step {step} to {checkpointer.directory}")
+                if step >= config.steps:
+                    break
+    except SystemExit:  # rule 4: the Checkpointer saved and asks to exit
+        display.close()
+        print(f"stopped at step {step}; run the same command again to resume from there", flush=True)
+        raise
+    finally:
+        display.close()
+        log.close()
+    return step
