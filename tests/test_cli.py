@@ -47,9 +47,11 @@ def test_bad_option_is_explained() -> None:
 def test_plan_and_frontier_commands(tmp_path) -> None:
     out = tmp_path / "plan.json"
     result = _torchckpt("plan", "--model", "gpt-tiny", "--batch-size", "4", "--seq-len", "128", "--budget", "75%",
-                        "--out", str(out))
+                        "--out", str(out), "--plot", str(tmp_path / "plan.png"))
     assert result.returncode == 0, result.stderr
-    assert "predicted peak" in result.stdout and out.is_file()
+    assert "predicted peak" in result.stdout and out.is_file() and (tmp_path / "plan.png").stat().st_size > 0
+    result = _torchckpt("plan", "--model", "unet-tiny", "--batch-size", "2", "--image-size", "16", "--budget", "80%")
+    assert result.returncode == 0 and "predicted peak" in result.stdout, result.stderr
     result = _torchckpt("frontier", "--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "32", "--points", "3",
                         "--plot", str(tmp_path / "front.png"))
     assert result.returncode == 0, result.stderr

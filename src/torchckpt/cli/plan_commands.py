@@ -18,7 +18,7 @@ _BUILT_IN.update({f"unet-{size}": (lambda size=size: unet(size)) for size in ("t
 _BUILT_IN["mlp"] = lambda: mlp()
 
 
-def load_model(spec: str, batch_size: int, seq_len: int) -> tuple[nn.Module, tuple | dict]:
+def load_model(spec: str, batch_size: int, seq_len: int, image_size: int = 64) -> tuple[nn.Module, tuple | dict]:
     """Build ``gpt-small`` (etc.) or ``path/file.py:factory`` and its example inputs.
 
     A factory returns a model with ``example_batch(batch_size=..., seq_len=...)`` or a tuple
@@ -51,6 +51,8 @@ def load_model(spec: str, batch_size: int, seq_len: int) -> tuple[nn.Module, tup
         raise SystemExit(f"--model {spec}: the model has no example_batch(); return (model, example_inputs) instead")
     if "seq_len" in model.example_batch.__code__.co_varnames:
         return model, model.example_batch(batch_size=batch_size, seq_len=seq_len)
+    if "image_size" in model.example_batch.__code__.co_varnames:
+        return model, model.example_batch(batch_size=batch_size, image_size=image_size)
     return model, model.example_batch(batch_size=batch_size)
 
 
@@ -59,18 +61,33 @@ def _profiled(args: argparse.Namespace, action: str) -> Any:
 
     import torchckpt
 
+    from torchckpt.remat.frontier import frontier_from_costs
+    from torchckpt.remat.plan import fingerprint
+    from torchckpt.remat.planner import _block_paths, plan_from_costs
+    from torchckpt.remat.profile import _resolve_blocks, profile
+
     console = Console(stderr=True)
     torch.manual_seed(args.seed)
-    model, batch = load_model(args.model, args.batch_size, args.seq_len)
-    with console.status(f"profiling {args.model} (a few training steps) and solving ..."):
-        if action == "plan":
-            return torchckpt.plan(model, batch, budget=args.budget)
-        return torchckpt.frontier(model, batch, points=args.points)
+    model, batch = load_model(args.model, args.batch_size, args.seq_len, args.image_size)
+    with console.status(f"profiling {args.model} ...") as status:
+        blocks = _resolve_blocks(model, "auto")
+        costs = profile(model, batch, blocks=blocks,
+                        progress=lambda message: status.update(f"{args.model}: {message}"))
+        status.update(f"{args.model}: solving")
+        paths = _block_paths(model, blocks)
+        identity = fingerprint(model, batch, paths)
+        front = None
+        if action == "frontier" or args.plot:
+            front = frontier_from_costs(costs, points=getattr(args, "points", 12), block_paths=paths,
+                                        model_fingerprint=identity)
+        plan = plan_from_costs(costs, args.budget, block_paths=paths, model_fingerprint=identity) \
+            if action == "plan" else None
+    return plan, front
 
 
 def _plan(args: argparse.Namespace) -> int:
     try:
-        plan = _profiled(args, "plan")
+        plan, front = _profiled(args, "plan")
     except ValueError as error:
         print(f"torchckpt plan: {error}", file=sys.stderr)
         return 2
@@ -78,11 +95,13 @@ def _plan(args: argparse.Namespace) -> int:
     if args.out:
         plan.save(args.out)
         print(f"plan written to {args.out}")
+    if front is not None:
+        print(f"frontier plot written to {front.plot(args.plot)}")
     return 0
 
 
 def _frontier(args: argparse.Namespace) -> int:
-    front = _profiled(args, "frontier")
+    _, front = _profiled(args, "frontier")
     print(front.table())
     if args.plot:
         print(f"plot written to {front.plot(args.plot)}")
@@ -93,7 +112,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gpt-small", help="gpt-tiny|mini|small|medium, unet-..., mlp, or "
                                                              "path/to/file.py:factory")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (GPT)")
+    parser.add_argument("--image-size", type=int, default=64, help="image height and width (U-Net)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -104,6 +124,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--budget", default="60%", help="bytes, '6GiB', '800MB' or a percentage of the "
                                                       "no-checkpointing peak (default 60%%)")
     plan.add_argument("--out", help="write the plan as JSON")
+    plan.add_argument("--plot", help="also write a PNG of the memory/time frontier, with this plan's model")
     plan.set_defaults(func=_plan)
     front = subparsers.add_parser("frontier", help="memory/time trade-off: Pareto plans and reference methods")
     _common(front)

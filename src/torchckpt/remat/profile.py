@@ -317,6 +317,7 @@ def profile(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     blocks: str | Sequence[nn.Module] = "auto",
+    progress: Callable[[str], None] | None = None,
 ) -> ChainCosts:
     """Measure ``model`` on ``example_inputs`` and return its cost model.
 
@@ -325,6 +326,7 @@ def profile(
     in training); a plain step with the op recorder; and, when the blocks form a chain, one with a
     region of blocks to calibrate ``region_recompute_bytes``. Block forward times come from the hooks of
     the first two. Gradients are cleared afterwards; parameters change only through the optimizer step.
+    ``progress``, if given, is called with a short description before each step (for a display).
 
     Example:
         >>> from torchckpt.models import gpt
@@ -335,11 +337,14 @@ def profile(
     """
     block_list = _resolve_blocks(model, blocks)
     runner = StepRunner(model, example_inputs, loss_fn, optimizer)
+    say = progress or (lambda message: None)
+    say(f"profiling step 1: {len(block_list)} blocks, every block recomputed")
     start = time.perf_counter()
     with checkpoint_modules(block_list, policy="nothing_saveable"):
         recomputed = _measure_step(runner, block_list, record_ops=False)
     recomputed_step_s = time.perf_counter() - start
     runner.optimizer_step()
+    say("profiling step 2: no checkpointing, recording every op")
     plain = _measure_step(runner, block_list, record_ops=True)
     runner.clear_grads()
     times = _block_times(block_list, recomputed, plain)
@@ -347,6 +352,7 @@ def profile(
     step_time_s = max(recomputed_step_s - sum(times), sum(times))
     costs = _assemble(plain, recomputed, times, step_time_s, [type(b).__name__ for b in block_list])
     if costs.chain and len(block_list) > 1:
+        say("profiling step 3: a region of two blocks")
         costs = replace(costs, region_recompute_bytes=_region_residue(runner, block_list, costs))
     return costs
 
