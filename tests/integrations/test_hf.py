@@ -32,11 +32,8 @@ def _step_grads(model: torch.nn.Module, batch: dict, seed: int) -> dict[str, np.
 # budget (predicted 5,653,132 B, headroom included) in most runs; T5 11,831,372 B against 11,821,629 B
 # (predicted 11,772,138 B). Reported to the planner's owners (remat/profile.py headroom); not strict,
 # because the plan chosen depends on measured times and some plans stay within budget.
-_LORA_UNDER_PREDICTED = pytest.mark.xfail(strict=False, reason="planner: with frozen weight matrices, BERT and T5 "
-                                                               "plans measure up to ~0.6% above their prediction, "
-                                                               "past the budget")
-CASES = [pytest.param(name, frozen, id=f"{name}-{frozen}",
-                      marks=_LORA_UNDER_PREDICTED if (name, frozen) in {("bert", "lora"), ("t5", "lora")} else ())
+_LORA_UNDER_PREDICTED = {("bert", "lora"), ("t5", "lora")}
+CASES = [pytest.param(name, frozen, id=f"{name}-{frozen}")
          for name in ("llama", "gpt2", "bert", "t5") for frozen in ("none", "embeddings", "lora")]
 
 
@@ -72,6 +69,10 @@ def test_gradients_bitwise_and_peak_within_budget(name: str, frozen: str) -> Non
     assert grads.keys() == reference.keys()
     different = [n for n in grads if not np.array_equal(grads[n], reference[n])]
     assert not different, f"gradients differ from the uncheckpointed model: {different[:5]}"
+    if (name, frozen) in _LORA_UNDER_PREDICTED and meter.peak_bytes > handle.plan.budget_bytes:
+        hf.disable(model)  # gradients were checked above; only the peak is the known gap
+        pytest.xfail(f"planner: with frozen weight matrices {name} measured {meter.peak_bytes} B, over the budget "
+                     f"{handle.plan.budget_bytes} B (known under-prediction, see the comment above)")
     assert meter.peak_bytes <= handle.plan.budget_bytes, (meter.peak_bytes, handle.plan.table())
     assert handle.plan.predicted_extra_time_s > 0  # the budget needs recomputation: the plan did something
     hf.disable(model)

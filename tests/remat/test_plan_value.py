@@ -138,3 +138,11 @@ def test_find_blocks_uses_a_models_own_block_list() -> None:
 
     with pytest.raises(ValueError, match="torchckpt_blocks"):
         find_blocks(Broken())
+
+
+def test_blocks_given_out_of_forward_order_are_refused() -> None:
+    from torchckpt.remat.profile import profile
+
+    model = gpt("tiny", dropout=0.0)
+    with pytest.raises(ValueError, match=r"order \[1, 0\].*forward order"):
+        profile(model, model.example_batch(batch_size=2, seq_len=8), blocks=[model.blocks[1], model.blocks[0]])

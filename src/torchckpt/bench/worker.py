@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from torchckpt.bench.methods import MethodSpec, NotApplicableError, apply_method
 from torchckpt.bench.models import count_parameters, get_model
 from torchckpt.memory import MemoryMeter
 from torchckpt.memory.rss import read_rss_bytes, reset_peak_rss
+from torchckpt.remat.planner import _block_paths
 from torchckpt.remat.profile import StepRunner
 
 __all__ = ["LEARNING_RATE", "method_worker", "planner_worker"]
@@ -148,11 +148,6 @@ def method_worker(conn: Connection, model_name: str, spec: MethodSpec, warmup: i
 
 
 # --------------------------------------------------------------------------------------------- planner
-def _block_paths(model: nn.Module, blocks: list[nn.Module]) -> list[str]:
-    names = {id(module): name for name, module in model.named_modules()}
-    return [names[id(block)] for block in blocks]
-
-
 def make_plans(model_name: str, peer_budgets: dict[str, int], sweep_points: int, out_dir: str) -> dict:
     """Profile ``model_name`` once (with AdamW) and solve for each peer's budget and a sweep of budgets.
 

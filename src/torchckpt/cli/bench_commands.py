@@ -60,8 +60,13 @@ def _run(args: argparse.Namespace) -> int:
             print(f"torchckpt bench --from-json {path}: no such file; give a <name>.json that torchckpt bench wrote",
                   file=sys.stderr)
             return 2
-        results = json.loads(path.read_text())
-        paths = write_reports(results, args.out_dir or path.parent)
+        try:
+            results = json.loads(path.read_text())
+            paths = write_reports(results, args.out_dir or path.parent)
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            print(f"torchckpt bench --from-json {path}: not a results file torchckpt bench wrote ({error!r}); "
+                  "give bench/results/<name>.json", file=sys.stderr)
+            return 2
     else:
         try:
             config = config_from_args(args)

@@ -45,7 +45,6 @@ class HFHandle:
 
     plan: Plan
     checkpoints: CheckpointHandle
-    use_cache_before: bool | None
     caching_configs: list[Any]
     model_ref: weakref.ref
 
@@ -130,8 +129,6 @@ def enable(model: nn.Module, *, budget: int | str, example_inputs: Any, optimize
                          "Fix: call model.gradient_checkpointing_disable() (activation_checkpointing_disable() in "
                          "newer transformers) and do not pass gradient_checkpointing=True to TrainingArguments")
     inputs = _inputs(example_inputs)
-    config = getattr(model, "config", None)
-    use_cache_before = getattr(config, "use_cache", None) if config is not None else None
     caching = _configs_with_cache(model)
     if caching:
         for sub_config in caching:
@@ -146,7 +143,7 @@ def enable(model: nn.Module, *, budget: int | str, example_inputs: Any, optimize
         for sub_config in caching:
             sub_config.use_cache = True
         raise
-    handle = HFHandle(plan=plan, checkpoints=checkpoints, use_cache_before=use_cache_before,
+    handle = HFHandle(plan=plan, checkpoints=checkpoints,
                       caching_configs=caching, model_ref=weakref.ref(model))
     _ENABLED[model] = handle
     return handle

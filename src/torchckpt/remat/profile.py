@@ -137,6 +137,7 @@ class _BlockTrace:
     calls: int = 0
     input_id: int = 0
     input_shape: tuple = ()
+    order: int = -1
     output_id: int = 0
     ops: list[dict] = field(default_factory=list)
 
@@ -214,6 +215,7 @@ class _Probe:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             trace = self.traces[i]
             trace.calls += 1
+            trace.order = sum(t.calls for t in self.traces)
             x = _first_tensor((args, kwargs))
             trace.input_bytes = _nbytes(x)
             trace.input_id = id(x)
@@ -295,6 +297,11 @@ def _measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: b
         if trace.calls != 1:
             raise ValueError(f"block {i} ({type(blocks[i]).__name__}) ran {trace.calls} times in one training step; "
                              "torchckpt plans blocks that run exactly once per step (pass blocks=[...] to choose)")
+    orders = [trace.order for trace in probe.traces]
+    if orders != sorted(orders):
+        ran = sorted(range(len(orders)), key=orders.__getitem__)
+        raise ValueError(f"the blocks ran in the order {ran}, not in the order given; torchckpt needs the blocks in "
+                         "forward order (blocks='auto' may have joined two unrelated lists: pass blocks=[...])")
     return probe
 
 

@@ -31,7 +31,8 @@ def _host_bytes(tensor: torch.Tensor) -> np.ndarray:
 
 @contextlib.contextmanager
 def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Put back the model's parameters, buffers, mode and the torch RNG state when the block exits.
+    """Put back the model's parameters, buffers, mode and the torch RNG states (CPU and every initialised
+    CUDA device) when the block exits.
 
     Example:
         >>> layer = nn.Linear(2, 2)
@@ -46,9 +47,12 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
     saved = {name: (_host_bytes(t), t.dtype, t.shape) for name, t in tensors.items()}
     modes = {name: module.training for name, module in model.named_modules()}
     rng = torch.get_rng_state().numpy().copy()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:
         yield
     finally:
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
         with torch.no_grad():
             for name, tensor in tensors.items():
                 data, dtype, shape = saved[name]

@@ -181,7 +181,10 @@ def _sample(model: nn.Module, seq_len: int, seed: int) -> str:
     ids = torch.tensor([list(SAMPLE_PROMPT)], dtype=torch.long)
     try:
         for _ in range(SAMPLE_BYTES):
-            logits = model(ids[:, -seq_len:])
+            try:
+                logits = model(ids[:, -seq_len:])
+            except TypeError as error:  # e.g. a user model whose forward requires targets
+                return f"(no sample: model(ids) failed: {error})"
             if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
                 return "(no sample: model(ids) does not return logits of shape [batch, seq, vocab])"
             probs = torch.softmax(logits[0, -1].float() / 0.8, dim=-1)
@@ -216,8 +219,9 @@ def format_summary(summary: dict[str, Any]) -> str:
          f"predicted {format_bytes(s['predicted_peak_bytes'])}); without checkpointing "
          f"{format_bytes(s['plain_peak_bytes'])}: {saving:.0%} less"),
         (f"time: the plan predicts +{s['predicted_extra_s'] * 1e3:.0f} ms of recomputation per step = "
-         f"{overhead:+.0%} of an uncheckpointed step ({s['plain_step_s']:.2f} s, measured once); measured "
-         f"mean step {s['mean_step_s']:.2f} s ({measured:+.0%})"),
+         f"{overhead:+.0%} of an uncheckpointed step ({s['plain_step_s']:.2f} s, measured once); "
+         + (f"measured mean step {s['mean_step_s']:.2f} s ({measured:+.0%})" if s.get("mean_step_s")
+            else "mean step not measured (the first step of a process is not timed)")),
         "sample (temperature 0.8):",
         sample,
         f"checkpoints: {s['checkpoints']} (steps {', '.join(map(str, s['checkpoint_steps']))})",
@@ -264,6 +268,9 @@ def train(config: TrainConfig, *, say: Callable[[str], None] = print, display: D
         corpus = load_stdlib_corpus()
         train_set = ByteChunks(corpus.train, config.seq_len)
         validation_set = ByteChunks(corpus.validation, config.seq_len)
+        if len(validation_set) < config.batch_size:
+            raise TrainError(f"the validation text holds {len(validation_set)} sequences of --seq-len "
+                             f"{config.seq_len}, fewer than --batch-size {config.batch_size}; lower either")
         loader = make_loader(train_set, config.batch_size, config.seed)
         say(f"model: {description}")
         say(f"text: {corpus.describe()}")
@@ -313,11 +320,14 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / WARMUP_STEPS, total_iters=WARMUP_STEPS)
-    progress = {"peak_bytes": 0, "timed_steps": 0, "timed_s": 0.0, "last_loss": float("nan")}
+    progress = {"peak_bytes": 0, "timed_steps": 0, "timed_s": 0.0, "last_loss": float("nan"),
+                "plan_budget_bytes": plan.budget_bytes}
     items = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "progress": progress}
     step = checkpointer.restore(**items) or 0
     if step:
         say(f"resumed from {checkpointer.directory}/step-{step:09d} (model, AdamW, LR schedule, data position, RNG)")
+        if progress.get("plan_budget_bytes") != plan.budget_bytes:  # a new plan: its peak and times start afresh
+            progress.update(peak_bytes=0, timed_steps=0, timed_s=0.0, plan_budget_bytes=plan.budget_bytes)
     if step < config.steps:
         step = _train_steps(config, plan, step, items, checkpointer, display, live)
     elif step > config.steps:
@@ -333,7 +343,7 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
         "budget_bytes": plan.budget_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
         "plain_peak_bytes": baseline["peak_bytes"], "predicted_extra_s": plan.predicted_extra_time_s,
         "plain_step_s": baseline["step_s"],
-        "mean_step_s": progress["timed_s"] / max(progress["timed_steps"], 1),
+        "mean_step_s": progress["timed_s"] / progress["timed_steps"] if progress["timed_steps"] else None,
         "checkpoints": str(checkpointer.directory), "checkpoint_steps": checkpoint_steps,
     }
     handle.remove()
