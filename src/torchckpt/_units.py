@@ -51,6 +51,28 @@ def parse_bytes(size: int | str, *, option: str = "size") -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def parse_percent(value: int | str, *, option: str = "budget") -> float | None:
+    """The percentage in ``value`` ("60%" -> 60.0), or None when ``value`` is not a percentage.
+
+    A percentage must be a number in (0, 1000] followed by ``%``; anything else ending in ``%`` raises
+    ValueError naming ``option``.
+
+    Example:
+        >>> parse_percent("60%"), parse_percent("6GiB")
+        (60.0, None)
+    """
+    if not (isinstance(value, str) and value.strip().endswith("%")):
+        return None
+    try:
+        percent = float(value.strip()[:-1])
+    except ValueError:
+        raise ValueError(f"{option}={value!r}: a percentage must be a number followed by %, like '60%'") from None
+    if not 0 < percent <= 1000:
+        raise ValueError(f"{option}={value!r}: the percentage must be in (0, 1000]; it is a share of the peak "
+                         "without checkpointing, e.g. '60%'")
+    return percent
+
+
 def format_bytes(num_bytes: float) -> str:
     """Format a byte count with a binary unit, three significant figures.
 

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchckpt._units import parse_bytes
+from torchckpt._units import parse_bytes, parse_percent
 from torchckpt.remat import solve as solver
 from torchckpt.remat.costs import ChainCosts
 from torchckpt.remat.plan import Plan, fingerprint
 from torchckpt.remat.profile import _resolve_blocks, profile
 
-__all__ = ["plan", "plan_from_costs", "resolve_budget", "no_checkpointing_schedule"]
+__all__ = ["no_checkpointing_schedule", "plan", "plan_from_costs", "resolve_budget"]
 
 
 def no_checkpointing_schedule(costs: ChainCosts) -> tuple:
@@ -44,14 +44,8 @@ def resolve_budget(budget: int | str, costs: ChainCosts) -> int:
         >>> resolve_budget("50%", costs), resolve_budget("1KiB", costs)
         (75, 1024)
     """
-    if isinstance(budget, str) and budget.strip().endswith("%"):
-        text = budget.strip()[:-1]
-        try:
-            percent = float(text)
-        except ValueError:
-            raise ValueError(f"budget={budget!r}: a percentage must be a number followed by %, like '60%'") from None
-        if not 0 < percent <= 1000:
-            raise ValueError(f"budget={budget!r}: the percentage must be in (0, 1000]")
+    percent = parse_percent(budget, option="budget")
+    if percent is not None:
         plain_peak, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
         return int(plain_peak * percent / 100)
     return parse_bytes(budget, option="budget")

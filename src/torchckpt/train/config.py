@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from torchckpt._units import parse_bytes
+from torchckpt._units import parse_bytes, parse_percent
 from torchckpt.models import GPT_SIZES
 
 __all__ = ["TrainConfig", "check_budget"]
@@ -28,17 +28,8 @@ def check_budget(budget: str | int) -> str | int:
         >>> check_budget("55%"), check_budget("300MiB")
         ('55%', '300MiB')
     """
-    if isinstance(budget, str) and budget.strip().endswith("%"):
-        text = budget.strip()[:-1]
-        try:
-            percent = float(text)
-        except ValueError:
-            raise ValueError(f"--budget {budget!r}: a percentage must be a number followed by %, like '55%'") from None
-        if not 0 < percent <= 1000:
-            raise ValueError(f"--budget {budget!r}: the percentage must be in (0, 1000]; it is a share of the "
-                             "peak without checkpointing, e.g. '55%'")
-        return budget
-    parse_bytes(budget, option="--budget")
+    if parse_percent(budget, option="--budget") is None:
+        parse_bytes(budget, option="--budget")
     return budget
 
 
