@@ -101,6 +101,75 @@ def test_large_state_restores_bitwise_and_training_continues_identically(run_dir
     assert bitwise_equal(dict(sorted(exported.items())), dict(sorted(saved.items())))
 
 
+def _memory_of(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def test_restore_swaps_module_memory_in_place_and_the_optimizer_keeps_its_parameters(run_dir):
+    model, optimizer = large_model_and_optimizer()
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(1, model=model, optimizer=optimizer)
+    restored_model, restored_optimizer = large_model_and_optimizer(seed=5)
+    weight = restored_model[0].weight
+    before = _memory_of(weight)
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.restore(model=restored_model, optimizer=restored_optimizer, rng=False)
+    assert restored_model[0].weight is weight and restored_optimizer.param_groups[0]["params"][0] is weight
+    assert weight.requires_grad and type(weight) is torch.nn.Parameter
+    # no copy: the weight's memory is now the read buffer, which also holds the file's other tensors
+    assert _memory_of(weight) != before and _memory_of(weight)[1] > weight.numel() * weight.element_size()
+    assert bitwise_equal(restored_model.state_dict(), model.state_dict())
+
+
+def test_restore_copies_when_something_shares_the_module_memory(run_dir):
+    """A held view would see a copy but not a swap: restore keeps load_state_dict's semantics."""
+    model, optimizer = large_model_and_optimizer()
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(1, model=model, optimizer=optimizer)
+    restored_model, restored_optimizer = large_model_and_optimizer(seed=5)
+    held = restored_model.state_dict()  # detached tensors sharing the parameters' memory
+    before = _memory_of(restored_model[0].weight)
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.restore(model=restored_model, optimizer=restored_optimizer, rng=False)
+    assert _memory_of(restored_model[0].weight) == before
+    assert bitwise_equal(held, model.state_dict())
+
+
+def test_restore_of_modules_with_custom_loading_tied_weights_and_channels_last(run_dir):
+    """BatchNorm overrides _load_from_state_dict (copied); tied weights stay tied; strides are kept."""
+    torch.manual_seed(0)
+
+    def build() -> torch.nn.Module:
+        net = torch.nn.ModuleDict({"conv": torch.nn.Conv2d(3, 4, 3), "norm": torch.nn.BatchNorm2d(4),
+                                   "a": torch.nn.Linear(4, 4, bias=False), "b": torch.nn.Linear(4, 4, bias=False)})
+        net["b"].weight = net["a"].weight
+        return net
+
+    model = build()
+    model["norm"](torch.randn(2, 4, 5, 5))  # running statistics move
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(1, model=model)
+    for channels_last in (False, True):
+        restored = build()
+        if channels_last:
+            restored["conv"].to(memory_format=torch.channels_last)
+        with Checkpointer(run_dir) as ckpt:
+            ckpt.restore(model=restored, rng=False)
+        assert bitwise_equal(restored.state_dict(), model.state_dict())
+        assert restored["a"].weight is restored["b"].weight
+        assert restored["conv"].weight.is_contiguous(memory_format=torch.channels_last) == channels_last
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
+    plain[1].weight = plain[0].weight
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(2, model=plain)
+    copy = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
+    copy[1].weight = copy[0].weight
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.restore(model=copy, rng=False)
+    assert copy[0].weight is copy[1].weight and torch.equal(copy[0].weight, plain[0].weight)
+
+
 def test_flip_in_a_later_piece_is_detected_by_full_verify_only(run_dir):
     model, _ = large_model_and_optimizer()
     with Checkpointer(run_dir) as ckpt:

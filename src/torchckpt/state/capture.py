@@ -19,6 +19,14 @@ Rules kept here:
    during restore, before the RNG streams are set (the loader hands that same
    iterator to the next ``for`` loop); otherwise the resumed run would draw
    once more and every later dropout mask would differ.
+5. A module is restored without copying when nothing could tell the
+   difference: each parameter and buffer takes the restored tensor (a view of
+   the buffer the file was read into) as its data, in place, so the same
+   Parameter objects stay in the optimizer. Only when every live tensor is a
+   plain CPU tensor that owns its memory alone (no view, no other tensor or
+   autograd graph sharing it), matches dtype, shape and strides, and no module
+   customises loading (hooks, ``_load_from_state_dict``); otherwise
+   ``load_state_dict`` copies, with its own checks and error messages.
 """
 
 from __future__ import annotations
@@ -109,6 +117,8 @@ def apply_item(name: str, obj: object, kind: str, state: Any, source: str) -> No
         obj.clear()  # type: ignore[attr-defined]
         obj.update(state)  # type: ignore[attr-defined]
         return
+    if isinstance(obj, torch.nn.Module) and _load_module_without_copy(obj, state):  # rule 5
+        return
     try:
         obj.load_state_dict(state)  # type: ignore[attr-defined]
     except (RuntimeError, ValueError, KeyError, TypeError) as error:
@@ -118,6 +128,62 @@ def apply_item(name: str, obj: object, kind: str, state: Any, source: str) -> No
             "parameter groups)."
         ) from error
     _prime_stateful_loader(obj)
+
+
+def _load_module_without_copy(module: torch.nn.Module, state: Mapping[str, Any]) -> bool:
+    """Give ``module``'s tensors the restored ones as data, in place (rule 5); False if it must copy.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> restored = {k: torch.zeros_like(v) for k, v in layer.state_dict().items()}
+        >>> weight = layer.weight
+        >>> _load_module_without_copy(layer, restored), layer.weight is weight, layer.weight.sum().item()
+        (True, True, 0.0)
+    """
+    if type(module).load_state_dict is not torch.nn.Module.load_state_dict:
+        return False
+    for submodule in module.modules():
+        if (
+            type(submodule)._load_from_state_dict is not torch.nn.Module._load_from_state_dict
+            or submodule._load_state_dict_pre_hooks
+            or submodule._load_state_dict_post_hooks
+        ):
+            return False
+    live = module.state_dict(keep_vars=True)
+    if live.keys() != state.keys():
+        return False  # load_state_dict names the missing and unexpected keys
+    swaps: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for key, tensor in live.items():
+        restored = state[key]
+        if not (_owns_its_memory(tensor) and _same_layout(tensor, restored)):
+            return False
+        swaps.setdefault(id(tensor), (tensor, restored))  # tied weights: one tensor under two keys
+    with torch.no_grad():
+        for tensor, restored in swaps.values():
+            tensor.data = restored
+    return True
+
+
+def _owns_its_memory(tensor: object) -> bool:
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return False  # subclasses (DTensor, quantized wrappers) load through load_state_dict
+    assert isinstance(tensor, torch.Tensor)
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor._base is not None:
+        return False
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    # 2: the tensor's own reference and the temporary storage object made to ask; more means another
+    # tensor, a view or a saved autograd graph shares the memory and would see a copy but not a swap
+    return use_count is not None and use_count(tensor.untyped_storage()._cdata) == 2
+
+
+def _same_layout(tensor: torch.Tensor, restored: object) -> bool:
+    return (
+        type(restored) is torch.Tensor
+        and restored.device.type == "cpu"
+        and restored.dtype == tensor.dtype
+        and restored.shape == tensor.shape
+        and restored.stride() == tensor.stride()
+    )
 
 
 def _prime_stateful_loader(obj: object) -> None:
