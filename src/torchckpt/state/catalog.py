@@ -132,11 +132,10 @@ def _read_checked(
     updates: list[Future[None]] = []
 
     def hash_piece(piece: memoryview) -> None:
-        if hasher is not None:
-            updates.append(hash_thread.submit(hasher.update, piece))  # one worker: pieces hash in order
+        updates.append(hash_thread.submit(hasher.update, piece))  # type: ignore[union-attr]  # in order: one worker
 
     try:
-        size = storage.read_into(entry, name, buffer, hash_piece)
+        size = storage.read_into(entry, name, buffer, hash_piece if hasher is not None else None)
     except FileNotFoundError:
         size = None
     for update in updates:

@@ -63,7 +63,9 @@ class Storage(Protocol):
     def path_of(self, entry: str, name: str | None = None) -> str: ...
     def step_entries(self) -> dict[int, str]: ...
     def read_file(self, entry: str, name: str) -> bytes: ...
-    def read_into(self, entry: str, name: str, into: memoryview, on_piece: Callable[[memoryview], None]) -> int: ...
+    def read_into(
+        self, entry: str, name: str, into: memoryview, on_piece: Callable[[memoryview], None] | None
+    ) -> int: ...
     def file_size(self, entry: str, name: str) -> int | None: ...
     def begin_step(self, step: int) -> StepWriter: ...
     def remove_step(self, step: int) -> None: ...
@@ -134,17 +136,20 @@ def split_pieces(chunks: Iterable[Buffer], piece_bytes: int = PIECE_BYTES) -> It
             yield view[start : start + piece_bytes]
 
 
-def _read_pieces(handle: BinaryIO, into: memoryview, on_piece: Callable[[memoryview], None]) -> int:
+def _read_pieces(handle: BinaryIO, into: memoryview, on_piece: Callable[[memoryview], None] | None) -> int:
     """Fill ``into`` from ``handle`` piece by piece, calling ``on_piece`` on each piece as it lands.
 
+    Without ``on_piece`` (nothing to hash) it asks for the whole rest at once.
     Returns the bytes read, plus one if the file holds more than ``len(into)`` bytes.
     """
     done = 0
+    piece_bytes = PIECE_BYTES if on_piece is not None else len(into)
     while done < len(into):
-        count = handle.readinto(into[done : done + PIECE_BYTES])
+        count = handle.readinto(into[done : done + piece_bytes])
         if not count:
             return done
-        on_piece(into[done : done + count])
+        if on_piece is not None:
+            on_piece(into[done : done + count])
         done += count
     return done + len(handle.read(1))
 
@@ -183,12 +188,16 @@ class LocalStorage:
         with open(self.path_of(entry, name), "rb") as handle:
             return handle.read()
 
-    def read_into(self, entry: str, name: str, into: memoryview, on_piece: Callable[[memoryview], None]) -> int:
+    def read_into(
+        self, entry: str, name: str, into: memoryview, on_piece: Callable[[memoryview], None] | None
+    ) -> int:
         """Read one file into ``into``, piece by piece; returns its length (``len(into) + 1`` if longer).
 
         Raises FileNotFoundError if it is missing.
         """
         with open(self.path_of(entry, name), "rb", buffering=0) as handle:
+            if hasattr(os, "posix_fadvise"):  # read front to back: the kernel may read further ahead
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             return _read_pieces(handle, into, on_piece)
 
     def file_size(self, entry: str, name: str) -> int | None:
@@ -355,7 +364,9 @@ class FsspecStorage:
         """Bytes of one file (raises FileNotFoundError if missing)."""
         return self._fs.cat_file(self._inner(entry, name))
 
-    def read_into(self, entry: str, name: str, into: memoryview, on_piece: Callable[[memoryview], None]) -> int:
+    def read_into(
+        self, entry: str, name: str, into: memoryview, on_piece: Callable[[memoryview], None] | None
+    ) -> int:
         """Read one file into ``into``, piece by piece; returns its length (``len(into) + 1`` if longer)."""
         with self._fs.open(self._inner(entry, name), "rb") as handle:
             return _read_pieces(handle, into, on_piece)
