@@ -14,6 +14,9 @@ Rules kept here (DESIGN.md invariants in parentheses):
 4. An async ``save`` copies tensors to host memory (a reused staging buffer)
    before it returns, so training may mutate them while the background thread
    hashes and writes. A sync ``save`` writes CPU tensors from their own memory.
+   With ``async_staging=True`` the parameters and optimizer state are copied
+   by the background thread instead, and every optimizer step (a global
+   pre-hook) waits until that copy is done (staging.py rule 4).
 5. A committed step is immutable: saving a step that already holds a valid
    checkpoint is an error; a corrupt one is moved aside to ``.corrupt-*``.
 6. One writer per directory: the lock is taken when the Checkpointer is built
@@ -28,11 +31,15 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torchckpt.state.capture import (
     apply_item,
@@ -78,6 +85,7 @@ class CheckpointerConfig:
     keep_best: tuple[str, str, int] | None = None
     keep_every: int | None = None
     async_save: bool = False
+    async_staging: bool = False
     save_every_steps: int | None = None
     save_every_seconds: float | None = None
     verify: str = "full"
@@ -89,6 +97,9 @@ class CheckpointerConfig:
 
     def __post_init__(self) -> None:
         _ = self.retention  # validates keep_* options
+        if self.async_staging and not self.async_save:
+            raise ValueError("async_staging=True copies in the background thread of an async save; "
+                             "pass async_save=True too")
         if self.save_every_steps is not None and (type(self.save_every_steps) is not int or self.save_every_steps < 1):
             raise ValueError(f"save_every_steps={self.save_every_steps!r}: expected a positive int or None")
         if self.save_every_seconds is not None and not (
@@ -131,6 +142,9 @@ class Checkpointer:
         self._executor: ThreadPoolExecutor | None = None
         self._staging = HostStaging()  # used by async saves only (rule 4)
         self._inflight: Future[None] | None = None
+        self._staged: threading.Event | None = None  # set once background staging is done (rule 4)
+        self._step_guard: Any = None  # the optimizer-step pre-hook handle while staging may be pending
+        self.optimizer_wait_s = 0.0  # time optimizer steps spent waiting for background staging
         self._last_step: int | None = None
         self._closed = False
         self._storage.acquire_lock()  # rule 6
@@ -178,7 +192,11 @@ class Checkpointer:
         self._check_step_free(step)
         checked_metrics = {_metric_name(name): metric_value(name, value) for name, value in (metrics or {}).items()}
         files = self._snapshot(step, items, checked_metrics)  # rule 4
-        if self.config.async_save:
+        if self.config.async_staging and self._staging.deferred_count:
+            self._staged = threading.Event()
+            self._step_guard = register_optimizer_step_pre_hook(self._before_optimizer_step)
+            self._inflight = self._pool().submit(self._stage_and_write, step, files, checked_metrics, self._staged)
+        elif self.config.async_save:
             self._inflight = self._pool().submit(self._write, step, files, checked_metrics)
         else:
             self._write(step, files, checked_metrics)
@@ -236,7 +254,49 @@ class Checkpointer:
         captured = {name: capture_item(name, obj) for name, obj in items.items()}
         rng = capture_rng() if self.config.capture_rng else None
         staging = self._staging if self.config.async_save else None  # rule 4
-        return encode_snapshot(step=step, items=captured, rng=rng, metrics=metrics, staging=staging)
+        defer = _changed_only_by_optimizer_steps(items) if self.config.async_staging else None
+        return encode_snapshot(step=step, items=captured, rng=rng, metrics=metrics, staging=staging, defer=defer)
+
+    def _stage_and_write(
+        self, step: int, files: Mapping[str, FileChunks], metrics: Mapping[str, float], staged: threading.Event
+    ) -> None:
+        try:
+            changed = self._staging.finish()
+        finally:
+            staged.set()  # never leave an optimizer step waiting
+        if changed:
+            raise CheckpointError(
+                f"step {step} was not saved: tensor(s) {changed[:5]} changed in place after save() returned and "
+                "before the background copy finished, outside an optimizer step (async_staging=True lets "
+                "training go on and only makes optimizer steps wait). Fix: call ckpt.wait_staged() before "
+                "changing saved tensors outside optimizer.step() (an EMA update, a manual edit), or use "
+                "async_staging=False, which copies them before save() returns."
+            )
+        self._write(step, files, metrics)
+
+    def _before_optimizer_step(self, optimizer: object, args: object, kwargs: object) -> None:
+        self.wait_staged()
+
+    def wait_staged(self) -> None:
+        """Block until the in-flight save no longer reads live tensors (``async_staging=True``).
+
+        After this, every saved tensor may be changed in place. Optimizer steps call it
+        themselves; without ``async_staging`` save() already returned after copying.
+
+        Example:
+            >>> import tempfile, torch
+            >>> tmp = tempfile.TemporaryDirectory()
+            >>> ckpt = Checkpointer(tmp.name, async_save=True, async_staging=True)
+            >>> model = torch.nn.Linear(2, 2)
+            >>> ckpt.save(1, model=model); ckpt.wait_staged()
+            >>> with torch.no_grad(): _ = model.weight.zero_()  # safe now
+            >>> ckpt.close(); tmp.cleanup()
+        """
+        staged = self._staged
+        if staged is not None and not staged.is_set():
+            start = time.perf_counter()
+            staged.wait()
+            self.optimizer_wait_s += time.perf_counter() - start
 
     def _write(self, step: int, files: Mapping[str, FileChunks], metrics: Mapping[str, float]) -> None:
         algorithm = self.config.hash_algorithm
@@ -288,6 +348,10 @@ class Checkpointer:
             >>> ckpt.wait(); ckpt.close(); tmp.cleanup()
         """
         inflight, self._inflight = self._inflight, None
+        if self._step_guard is not None:
+            self.wait_staged()
+            self._step_guard.remove()  # here, not in the hook: the hooks' dict is iterated while they run
+            self._step_guard = None
         if inflight is None:
             return
         try:
@@ -424,6 +488,18 @@ def _write_hashed(
     for update in updates:
         update.result()
     return FileEntry(size_bytes=size_bytes, hash=hasher.hexdigest())
+
+
+def _changed_only_by_optimizer_steps(items: Mapping[str, Any]) -> Callable[[torch.Tensor], bool]:
+    """Predicate for the tensors background staging may copy late: module parameters, optimizer state."""
+    guarded: set[tuple[int, int]] = set()
+    for obj in items.values():
+        if isinstance(obj, torch.nn.Module):
+            guarded.update((p.data_ptr(), p.numel()) for p in obj.parameters() if p.numel())
+        elif isinstance(obj, torch.optim.Optimizer):
+            guarded.update((t.data_ptr(), t.numel()) for state in obj.state.values() for t in state.values()
+                           if isinstance(t, torch.Tensor) and t.numel())
+    return lambda tensor: tensor.numel() > 0 and (tensor.data_ptr(), tensor.numel()) in guarded
 
 
 def _metric_name(name: object) -> str:

@@ -87,11 +87,13 @@ def encode_snapshot(
     rng: Mapping[str, Any] | None,
     metrics: Mapping[str, float],
     staging: HostStaging | None = None,
+    defer: Callable[[torch.Tensor], bool] | None = None,
 ) -> dict[str, FileChunks]:
     """Files (name -> chunks to write in order) of one step, ``state.json`` included (rules 1, 2).
 
     With ``staging`` every tensor is copied into its buffer (an async save);
-    without, the chunks view the tensors' own memory (a sync save).
+    without, the chunks view the tensors' own memory (a sync save). ``defer``
+    picks tensors whose copy is left to ``staging.finish()`` (staging.py rule 4).
 
     Example:
         >>> sorted(encode_snapshot(step=1, items={"model": ("state_dict", {"w": torch.ones(1)})},
@@ -104,7 +106,7 @@ def encode_snapshot(
         name: _encode_item(name, kind, state, files, tensor_groups) for name, (kind, state) in items.items()
     }
     if staging is not None:
-        hosted = dict(zip(tensor_groups, staging.copy(list(tensor_groups.values()))))
+        hosted = dict(zip(tensor_groups, staging.copy(list(tensor_groups.values()), defer)))
     else:
         hosted = {name: to_host(tensors) for name, tensors in tensor_groups.items()}
     for name, tensors in hosted.items():

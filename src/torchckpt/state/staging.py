@@ -15,11 +15,20 @@ Rules kept here:
 3. The buffer is reused only after the previous save that wrote from it has
    committed or failed: the Checkpointer allows one save in flight and waits
    for it before the next copy (checkpointer.py rule 3).
+4. Background staging (``async_staging=True``, opt-in): tensors that only an
+   optimizer step changes (parameters, optimizer state; CPU only) are laid out
+   by :meth:`HostStaging.copy` but copied by :meth:`HostStaging.finish`, which
+   the save's background thread runs while training computes its next forward
+   and backward. The Checkpointer makes every optimizer step wait until
+   ``finish`` is done. ``finish`` compares each source's version counter with
+   the one it had when the save began, so an in-place change made outside an
+   optimizer step (an EMA update under ``no_grad``) fails the save loudly
+   instead of writing a torn state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -53,26 +62,64 @@ class HostStaging:
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
+        self._deferred: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []  # key, target, source, version
 
     @property
     def capacity_bytes(self) -> int:
         """Bytes of host memory held now (0 before the first copy and after :meth:`release`)."""
         return 0 if self._buffer is None else self._buffer.numel()
 
-    def copy(self, groups: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    def copy(
+        self,
+        groups: Sequence[Mapping[str, torch.Tensor]],
+        defer: Callable[[torch.Tensor], bool] | None = None,
+    ) -> list[dict[str, torch.Tensor]]:
         """Copy every tensor of ``groups`` into the buffer; returns views with the same keys.
 
-        The views stay valid until the next :meth:`copy` or :meth:`release`.
+        Tensors for which ``defer(tensor)`` is true (CPU ones only) are left for
+        :meth:`finish` (rule 4). The views stay valid until the next :meth:`copy`
+        or :meth:`release`.
         """
         offsets, total_bytes = _layout(groups)
         on_cuda = any(tensor.is_cuda for group in groups for tensor in group.values())
         buffer = self._reserve(total_bytes, pinned=on_cuda)
+        self._deferred = []
         copies = []
         for group, group_offsets in zip(groups, offsets):
-            copies.append({key: _copy_into(buffer, group_offsets[key], tensor) for key, tensor in group.items()})
+            views = {}
+            for key, tensor in group.items():
+                if defer is not None and not tensor.is_cuda and defer(tensor):
+                    views[key] = _slot(buffer, group_offsets[key], tensor)
+                    self._deferred.append((key, views[key], tensor, tensor._version))
+                else:
+                    views[key] = _copy_into(buffer, group_offsets[key], tensor)
+            copies.append(views)
         if on_cuda:
             torch.cuda.synchronize()  # non_blocking copies must land before the writer reads them
         return copies
+
+    @property
+    def deferred_count(self) -> int:
+        """Tensors the last :meth:`copy` left for :meth:`finish` (0 once finished)."""
+        return len(self._deferred)
+
+    def finish(self) -> list[str]:
+        """Copy the tensors :meth:`copy` deferred (rule 4); returns the keys of those changed in place since.
+
+        Example:
+            >>> staging, weight = HostStaging(), torch.ones(2)
+            >>> [view] = staging.copy([{"w": weight}], defer=lambda tensor: True)
+            >>> staging.deferred_count, staging.finish(), view["w"]
+            (1, [], tensor([1., 1.]))
+            >>> [view] = staging.copy([{"w": weight}], defer=lambda tensor: True)
+            >>> weight.mul_(3); staging.finish()
+            tensor([3., 3.])
+            ['w']
+        """
+        deferred, self._deferred = self._deferred, []
+        for _, target, source, _ in deferred:
+            target.copy_(source)
+        return [key for key, _, source, version in deferred if source._version != version]
 
     def release(self) -> None:
         """Free the buffer (the Checkpointer calls this on close).
@@ -83,6 +130,7 @@ class HostStaging:
             0
         """
         self._buffer = None
+        self._deferred = []
 
     def _reserve(self, total_bytes: int, pinned: bool) -> torch.Tensor:
         buffer = self._buffer
@@ -105,8 +153,12 @@ def _layout(groups: Sequence[Mapping[str, torch.Tensor]]) -> tuple[list[dict[str
     return offsets, position
 
 
-def _copy_into(buffer: torch.Tensor, offset: int, tensor: torch.Tensor) -> torch.Tensor:
+def _slot(buffer: torch.Tensor, offset: int, tensor: torch.Tensor) -> torch.Tensor:
     nbytes = tensor.numel() * tensor.element_size()
-    target = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+    return buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
+
+
+def _copy_into(buffer: torch.Tensor, offset: int, tensor: torch.Tensor) -> torch.Tensor:
+    target = _slot(buffer, offset, tensor)
     target.copy_(tensor, non_blocking=tensor.is_cuda)
     return target
