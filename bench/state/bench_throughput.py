@@ -11,9 +11,17 @@ write + fsync; torch.save: + fsync of the file; dcp: FileSystemWriter(sync_files
 torchckpt: its commit protocol, default hash xxh3_128). Before every read the files just written are
 evicted from the page cache (posix_fadvise DONTNEED), so reads come from the disk, unless --warm.
 
-The async Checkpointer lives across repeats, as in a training run (it saves every repeat; no retention,
-so no deletion lands in its timing): its host staging buffer is allocated by its first save, reported
-on its own row, and reused after.
+The async Checkpointers live across repeats, as in a training run (they save every repeat; no retention,
+so no deletion lands in their timing): the host staging buffer is allocated by the first save, reported
+on its own row, and reused after. Two async modes: the default copies every tensor before save() returns;
+async_staging=True copies parameters and optimizer state in the background thread while the training
+step runs (here: one forward/backward of the same model on a 64-row batch) and makes the optimizer step
+wait for the copy. Its blocking time is save() plus that wait. A training step runs while each async save
+is in flight, and its time is reported next to a step without a save: on a small machine the background
+copy, hash and write share the training step's cores and memory bandwidth.
+
+Restores go into a freshly built model and optimizer, as a resumed run's do; one more row restores into
+the live objects (a rollback inside one process), which first frees their old state.
 
 Targets (ratios of median times; issue 4): torchckpt sync save / raw write throughput >= 0.8;
 async save blocking time / sync save time <= 0.10; torchckpt restore / raw read throughput >= 0.8,
@@ -58,6 +66,12 @@ def build_state(mb: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
     return model, optimizer, sum(t.numel() * t.element_size() for t in tensors)
 
 
+def fresh_model_and_optimizer(like: torch.nn.Sequential) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A newly built model of the same shapes and an AdamW with no state yet: what a resumed run restores into."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(m.in_features, m.out_features, bias=False) for m in like])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
 def evict(path: str) -> None:
     """Drop the (clean, fsynced) pages of every file under ``path`` from the page cache."""
     paths = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
@@ -85,6 +99,8 @@ class Bench:
         self.times: dict[str, list[float]] = {}
         self.step = 0
         self.async_ckpt: Checkpointer | None = None  # lives across repeats, like a training run's
+        self.staged_ckpt: Checkpointer | None = None  # async_staging=True, also across repeats
+        self.batch = torch.randn(64, model[0].in_features)
         # the same bytes as the state, in one buffer, for the raw write
         self.blob = torch.cat([t.reshape(-1).view(torch.uint8) for t in self._tensors()])
 
@@ -166,14 +182,20 @@ class Bench:
         save = f"torchckpt save (sync, {DEFAULT_HASH_ALGORITHM})"
         with Checkpointer(sync_dir, keep_last=1) as ckpt:
             self.timed(save, lambda: ckpt.save(self.step, model=self.model, optimizer=self.optimizer))
+        saved_weight = self.model[0].weight.detach().clone()  # the async rows below train the model on
         self.torchckpt_async(async_dir)
+        self.torchckpt_async_staging(os.path.join(self.root, "ckpt-staged"))
         for verify, name in (("full", "torchckpt restore (verify=full)"),
-                             ("fast", "torchckpt restore (verify=fast, no hashing)")):
+                             ("fast", "torchckpt restore (verify=fast, no hashing)"),
+                             ("full", "torchckpt restore into the live model+optimizer (verify=full)")):
+            # as a resumed run does: a freshly built model and optimizer (no state yet), built untimed
+            model, optimizer = (self.model, self.optimizer) if "live" in name else fresh_model_and_optimizer(self.model)
             self.before_read(sync_dir)
             with Checkpointer(sync_dir, verify=verify) as ckpt:
-                restored = self.timed(name, lambda ckpt=ckpt: ckpt.restore(
-                    model=self.model, optimizer=self.optimizer, rng=False))
-            assert restored == self.step
+                restored = self.timed(name, lambda ckpt=ckpt, model=model, optimizer=optimizer: ckpt.restore(
+                    model=model, optimizer=optimizer, rng=False))
+            assert restored == self.step and torch.equal(model[0].weight, saved_weight)
+            del model, optimizer
         # the read path alone: read + hash + decode to tensors, without load_state_dict into the live objects
         self.before_read(sync_dir)
         snapshot = self.timed("torchckpt read+verify=full+decode only (no load_state_dict)", lambda: read_newest_valid(
@@ -192,8 +214,35 @@ class Bench:
         step = self.step + 10**6  # the async run has its own steps, after the first save's
         self.timed("torchckpt save (async, blocking part)", lambda: self.async_ckpt.save(
             step, model=self.model, optimizer=self.optimizer))
+        self.timed("training step, async save (copied in save()) in flight", self.train_step)
         self.async_ckpt.wait()
         self.times.setdefault("torchckpt save (async, until committed)", []).append(time.perf_counter() - start)
+
+    def train_step(self) -> None:
+        """One forward/backward and optimizer step of the bench model (what training does between saves)."""
+        self.optimizer.zero_grad()
+        self.model(self.batch).square().mean().backward()
+        self.optimizer.step()
+
+    def torchckpt_async_staging(self, staged_dir: str) -> None:
+        if self.staged_ckpt is None:
+            self.staged_ckpt = Checkpointer(staged_dir, async_save=True, async_staging=True)
+            self.staged_ckpt.save(0, model=self.model, optimizer=self.optimizer)  # allocates the buffer
+            self.staged_ckpt.wait()
+        self.timed("training step, no save in flight", self.train_step)
+        ckpt, step = self.staged_ckpt, self.step + 10**6
+        waited_before = ckpt.optimizer_wait_s
+        start = time.perf_counter()
+        ckpt.save(step, model=self.model, optimizer=self.optimizer)
+        called = time.perf_counter() - start
+        self.timed("training step, async_staging save in flight", self.train_step)
+        waited = ckpt.optimizer_wait_s - waited_before
+        for name, seconds in (("torchckpt save (async_staging, save() call)", called),
+                              ("torchckpt save (async_staging, optimizer step waited)", waited),
+                              ("torchckpt save (async_staging, blocking part: call + wait)", called + waited)):
+            self.times.setdefault(name, []).append(seconds)
+        ckpt.wait()
+        self.times.setdefault("torchckpt save (async_staging, until committed)", []).append(time.perf_counter() - start)
 
     def hash_only(self) -> None:
         """The hash of the same bytes, in memory: the hashing share of a save or a full-verify restore."""
@@ -226,24 +275,29 @@ def main() -> None:
                 method()
             print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     finally:
-        if bench is not None and bench.async_ckpt is not None:
-            bench.async_ckpt.close()
+        for ckpt in (bench.async_ckpt, bench.staged_ckpt) if bench is not None else ():
+            if ckpt is not None:
+                ckpt.close()
         shutil.rmtree(root, ignore_errors=True)
 
     rows = {}
     for name, seconds in bench.times.items():
         median = statistics.median(seconds)
         rows[name] = {"median_s": median, "min_s": min(seconds), "max_s": max(seconds),
-                      "mb_per_s": nbytes / MB / median, "seconds": seconds}
+                      "mb_per_s": nbytes / MB / median if median > 0 else None, "seconds": seconds}
     med = {name: row["median_s"] for name, row in rows.items()}
     save = f"torchckpt save (sync, {DEFAULT_HASH_ALGORITHM})"
     targets = [
         ("torchckpt sync save / raw write (throughput)", med["raw write (write+fsync)"] / med[save], ">= 0.8"),
         ("torchckpt async blocking / sync save (time)", med["torchckpt save (async, blocking part)"] / med[save], "<= 0.10"),
+        ("torchckpt async_staging blocking (call + step wait) / sync save (time)",
+         med["torchckpt save (async_staging, blocking part: call + wait)"] / med[save], "<= 0.10"),
         ("torchckpt restore verify=full / raw read (throughput)", med["raw read"] / med["torchckpt restore (verify=full)"], ">= 0.8"),
         ("torchckpt restore verify=fast / raw read (throughput)",
          med["raw read"] / med["torchckpt restore (verify=fast, no hashing)"], ">= 0.8"),
     ] if "raw read" in med and save in med else []
+    plain_step = "training step, no save in flight"
+    slowdowns = {name: med[name] / med[plain_step] for name in med if name.startswith("training step, a")}
     results = {
         "state_bytes": nbytes, "repeats": args.repeats, "cold_reads": not args.warm, "cpu_count": os.cpu_count(),
         "torch": torch.__version__, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
@@ -251,17 +305,21 @@ def main() -> None:
         "targets": [{"ratio": name, "value": value, "target": target,
                      "met": value >= 0.8 if target.startswith(">=") else value <= 0.10}
                     for name, value, target in targets],
+        "training_step_over_step_without_save": slowdowns,
     }
     print(f"state: {nbytes / MB:.0f} MB, {args.repeats} interleaved repeats, "
           f"reads {'warm (page cache)' if args.warm else 'cold (evicted from page cache)'}\n")
     print("| method | MB/s (median) | median s | min-max s |")
     print("|---|---|---|---|")
     for name, row in rows.items():
-        print(f"| {name} | {row['mb_per_s']:.0f} | {row['median_s']:.3f} | {row['min_s']:.3f}-{row['max_s']:.3f} |")
+        mb_per_s = "-" if row["mb_per_s"] is None else f"{row['mb_per_s']:.0f}"
+        print(f"| {name} | {mb_per_s} | {row['median_s']:.3f} | {row['min_s']:.3f}-{row['max_s']:.3f} |")
     print("\n| target | value | wanted | met |")
     print("|---|---|---|---|")
     for target in results["targets"]:
         print(f"| {target['ratio']} | {target['value']:.2f} | {target['target']} | {'yes' if target['met'] else 'no'} |")
+    for name, ratio in slowdowns.items():
+        print(f"\n{name} / no save in flight: {ratio:.2f} (median {med[name]:.3f} s vs {med[plain_step]:.3f} s)")
     out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "throughput.json"), "w") as handle:
