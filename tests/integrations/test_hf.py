@@ -28,11 +28,16 @@ def _step_grads(model: torch.nn.Module, batch: dict, seed: int) -> dict[str, np.
     return grads
 
 
-# Planner under-prediction with every weight matrix frozen: BERT measured 5,686,464 B against a 5,656,008 B
-# budget (predicted 5,653,132 B, headroom included) in most runs; T5 11,831,372 B against 11,821,629 B
-# (predicted 11,772,138 B). Reported to the planner's owners (remat/profile.py headroom); not strict,
-# because the plan chosen depends on measured times and some plans stay within budget.
-_LORA_UNDER_PREDICTED = {("bert", "lora"), ("t5", "lora")}
+# Known planner under-prediction with every weight matrix frozen, left for T5 only. Frozen linear layers do
+# not save their inputs, so in the plain step T5's decoder blocks keep neither the encoder output nor the
+# two position-bias tensors they read, which a checkpointed decoder block does hold (as its inputs): the
+# profiler's boundary readings (non-chain models, profile._held_between_blocks) count those tensors as
+# held through the backward pass, the plain step's calibration then absorbs them, and plans that
+# checkpoint decoder blocks measure up to 3 x 65,536 B above their prediction (T5 11,831,372 B against a
+# 11,821,629 B budget). BERT's case, a post-norm block's own input that no op saves, is modelled
+# (BlockCosts.input_held_when_plain) and asserted strictly. Not strict for T5 because the plan chosen
+# depends on measured times and some plans stay within budget.
+_LORA_UNDER_PREDICTED = {("t5", "lora")}
 CASES = [pytest.param(name, frozen, id=f"{name}-{frozen}")
          for name in ("llama", "gpt2", "bert", "t5") for frozen in ("none", "embeddings", "lora")]
 

@@ -16,17 +16,28 @@ The peak model the solver evaluates (numbered so that solver, profiler and tests
    ``x_{i+1}``, and plans have single blocks only (no regions).
 2. A plan is a sequence of pieces covering the chain in order. A piece is a single block with a menu
    option, or a region of consecutive blocks checkpointed as a whole whose inside is again a plan.
-3. After its forward pass a piece holds: a plain block ``x_i + saved_bytes``; a checkpointed block
-   ``x_i + kept`` (``kept`` = bytes of the op outputs its option keeps); a region ``x_i`` of its first
-   block. Inside a region, blocks can only be plain or keep nothing (executor rule 6).
+3. After its forward pass a piece holds: a plain block ``saved_bytes``, plus ``x_i`` when
+   ``input_held_when_plain``; a checkpointed block ``x_i + kept`` (``kept`` = bytes of the op outputs
+   its option keeps); a region ``x_i`` of its first block. Inside a region, blocks can only be plain or
+   keep nothing (executor rule 6).
+   ``input_held_when_plain`` is measured: whether block ``i``'s input was still alive when its
+   backward pass began in the plain step. Autograd keeps an input only if some op saves it: a linear
+   layer whose weight needs no gradient saves its weight but not its input, so a post-norm block
+   (BERT) with frozen weight matrices keeps nothing of its input, and its input is freed during the
+   forward pass. A checkpoint keeps its inputs whatever the block saves. (Measured in a plain step,
+   the flag also covers an input the previous block saves as its own output; a plan that checkpoints
+   that previous block then over-counts ``x_i``, which is safe.)
 4. Forward end: ``fixed_bytes + sum(held) + head_bytes`` (``head_bytes``: the loss, logits and their
    gradients above everything else, measured).
 5. The backward pass visits pieces in reverse. With ``C`` the bytes live around the chain (top level:
    ``fixed_bytes + y_{n-1}``, the gradient arriving from the head) and ``H`` the bytes held by earlier
    pieces of the same chain, the backward of block ``i`` peaks at
    ``C + H + x_i + saved_bytes_i + backward_peak_bytes_i (+ recompute_peak_bytes_i if checkpointed)
-   (+ y_i unless i is block n-1, whose incoming gradient is already in C)``.
-   A region's inside is evaluated as a chain with ``C' = C + H + region_recompute_bytes``, where
+   (+ y_i unless i is block n-1, whose incoming gradient is already in C)``, less ``x_i`` for a plain
+   block without ``input_held_when_plain``.
+   A region's inside is evaluated as a chain with ``C' = C + H + region_recompute_bytes`` (plus
+   ``x_first``, the region's input, which the region holds through its backward pass, when its first
+   block does not hold its input when plain; conservative when that block is checkpointed inside), where
    ``region_recompute_bytes`` (a ChainCosts field) is what recomputing a region keeps alive beyond its
    blocks' own costs. The profiler measures it on a region over blocks ``0`` and ``1`` followed by plain
    blocks, and adds one block output, which measurements with checkpointed blocks nested in a
@@ -88,8 +99,12 @@ class BlockCosts:
     backward_peak_bytes: int = 0
     recompute_peak_bytes: int = 0
     ops: tuple[OpCosts, ...] = ()
+    input_held_when_plain: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.input_held_when_plain, bool):
+            raise ValueError(f"BlockCosts({self.name!r}).input_held_when_plain must be a bool; got "
+                             f"{self.input_held_when_plain!r}")
         _check_non_negative(f"BlockCosts({self.name!r})", input_bytes=self.input_bytes,
                             output_bytes=self.output_bytes, saved_bytes=self.saved_bytes,
                             forward_time_s=self.forward_time_s, forward_peak_bytes=self.forward_peak_bytes,

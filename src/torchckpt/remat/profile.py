@@ -9,8 +9,10 @@ How each figure of ``costs.py`` is obtained (rules of that module in brackets):
    meter's peak is read between marks.
 2. ``fixed_bytes`` is what is live when block 0 starts, minus block 0's input, plus a headroom;
    ``saved_bytes`` is what a
-   block's forward leaves behind minus its output [3]; ``head_bytes`` is the peak between the last
-   block's forward and the first block backward, above fixed and everything the blocks hold [4].
+   block's forward leaves behind minus its output [3]; ``input_held_when_plain`` is whether the
+   block's input storage (watched through a weak reference) is still alive when the block's backward
+   pass begins in the plain step [3]; ``head_bytes`` is the peak between the last block's forward and
+   the first block backward, above fixed and everything the blocks hold [4].
 3. ``backward_peak_bytes`` and ``forward_peak_bytes`` are the measured peaks minus what rules 5 and 6
    already count, so the all-plain plan is predicted exactly; they absorb what the model does not name
    (parameter gradients created so far, the head's leftovers). ``recompute_peak_bytes`` is the same
@@ -140,6 +142,8 @@ class _BlockTrace:
     order: int = -1
     output_id: int = 0
     ops: list[dict] = field(default_factory=list)
+    input_storage: weakref.ref | None = None  # weak: the probe must not keep the input alive itself
+    input_alive_at_backward: bool = True
 
 
 class _Recorder(TorchDispatchMode):
@@ -220,6 +224,7 @@ class _Probe:
             trace.input_bytes = _nbytes(x)
             trace.input_id = id(x)
             trace.input_shape = tuple(x.shape) if x is not None else ()
+            trace.input_storage = weakref.ref(x.untyped_storage()) if x is not None else None
             trace.before_forward = self.meter.current_bytes
             self.meter.reset_peak()
             trace.forward_s = time.perf_counter()
@@ -252,6 +257,8 @@ class _Probe:
         def hook(grad: torch.Tensor) -> None:
             if i == len(self.blocks) - 1:
                 self.head_peak = self.meter.peak_bytes
+            trace = self.traces[i]
+            trace.input_alive_at_backward = trace.input_storage is None or trace.input_storage() is not None
             self._close_backward()
             self._backward_open = i
             self.meter.reset_peak()
@@ -429,15 +436,19 @@ def _assemble(plain: _Probe, recomputed: _Probe, times: list[float], step_time_s
     if chain:
         inputs = [t.input_bytes for t in traces]
         saved = [max(0, t.after_forward - t.before_forward - t.output_bytes) for t in traces]
-    else:
+        input_held = [t.input_alive_at_backward for t in traces]
+    else:  # the boundary readings already telescope what a plain block holds, its input or not
         inputs, saved = _held_between_blocks(plain, recomputed, fixed, ckpt_fixed)
+        input_held = [True] * n
+    # Rule 3 of costs.py: what each block holds through the plain step's backward pass.
+    plain_held = [(inputs[i] if input_held[i] else 0) + saved[i] for i in range(n)]
     last_output = traces[-1].output_bytes
-    held_before = [sum(inputs[k] + saved[k] for k in range(i)) for i in range(n)]
-    head = max(0, plain.head_peak - fixed - held_before[-1] - inputs[-1] - saved[-1])
+    held_before = [sum(plain_held[:i]) for i in range(n)]
+    head = max(0, plain.head_peak - fixed - held_before[-1] - plain_held[-1])
     blocks = []
     for i, trace in enumerate(traces):
         incoming = 0 if i == n - 1 else trace.output_bytes
-        base = fixed + last_output + held_before[i] + inputs[i] + saved[i] + incoming
+        base = fixed + last_output + held_before[i] + plain_held[i] + incoming
         backward = max(0, (trace.backward_peak or 0) - base)
         # Rule 6 counts C, which holds the last block's output gradient; that is not alive in the forward pass.
         forward = max(0, trace.forward_peak - (fixed + last_output + held_before[i] + inputs[i]))
@@ -452,7 +463,7 @@ def _assemble(plain: _Probe, recomputed: _Probe, times: list[float], step_time_s
         blocks.append(BlockCosts(name=f"{i}:{names[i]}", input_bytes=inputs[i],
                                  output_bytes=trace.output_bytes, saved_bytes=saved[i], forward_time_s=times[i],
                                  forward_peak_bytes=forward, backward_peak_bytes=backward,
-                                 recompute_peak_bytes=recompute, ops=ops))
+                                 recompute_peak_bytes=recompute, ops=ops, input_held_when_plain=input_held[i]))
     return ChainCosts(fixed_bytes=fixed + headroom, head_bytes=head, blocks=tuple(blocks), step_time_s=step_time_s,
                       chain=chain, notes={"headroom_bytes": str(headroom)})
 

@@ -45,9 +45,14 @@ class Chain:
         """``g`` of rule 6 for pieces inside a region ending before ``stop``: its output's gradient."""
         return self.costs.blocks[stop - 1].output_bytes if stop < self.n else 0
 
+    def _input_held_bytes(self, block: int, option: MenuOption) -> int:
+        """Rule 3: a checkpoint holds its input; a plain block only if autograd kept it (measured)."""
+        b = self.costs.blocks[block]
+        return b.input_bytes if not option.plain or b.input_held_when_plain else 0
+
     def held_bytes(self, block: int, option: MenuOption) -> int:
-        """Rule 3: a single block holds its input plus what its option keeps."""
-        return self.costs.blocks[block].input_bytes + option.held_bytes
+        """Rule 3: a single block holds its input (see ``_input_held_bytes``) plus what its option keeps."""
+        return self._input_held_bytes(block, option) + option.held_bytes
 
     def single_need_bytes(self, block: int, option: MenuOption, gradient: int) -> int:
         """Rules 5 and 6 for one block above ``C + H``: the larger of its forward and backward peaks."""
@@ -55,8 +60,15 @@ class Chain:
         forward = b.input_bytes + b.forward_peak_bytes + gradient
         incoming = b.output_bytes if block != self.n - 1 else 0
         recompute = 0 if option.plain else b.recompute_peak_bytes
-        backward = b.input_bytes + b.saved_bytes + b.backward_peak_bytes + recompute + incoming
+        held_input = self._input_held_bytes(block, option)
+        backward = held_input + b.saved_bytes + b.backward_peak_bytes + recompute + incoming
         return max(forward, backward)
+
+    def region_context_bytes(self, start: int) -> int:
+        """Rule 5: what a region starting at ``start`` adds to its inside's context: the recompute residue,
+        and its input when its first block, run plainly, would not count it (the region holds it)."""
+        b = self.costs.blocks[start]
+        return self.costs.region_recompute_bytes + (0 if b.input_held_when_plain else b.input_bytes)
 
     def region_forward_bytes(self, start: int, stop: int) -> int:
         """Rule 6 for a region above ``C + H + g``: its blocks run holding only the first input."""

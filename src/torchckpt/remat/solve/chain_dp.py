@@ -12,7 +12,7 @@ Budgets ``m`` are bytes left above the context ``C + H`` of a chain, on a grid o
 each the minimum over the first piece: a single block with option o (plain or keep-nothing inside
 regions, any menu option at the top) needing ``need`` and holding ``held``:
 ``time(o) + G(s+1, t, m - held)`` when ``m >= need``; or a region ``[s, v)`` (v < t inside, v <= n at
-the top): ``forward_time(s, v) + G(s, v, m - region_recompute_bytes) + rest(v, m - x_s)`` when ``m``
+the top): ``forward_time(s, v) + G(s, v, m - region context) + rest(v, m - x_s)`` when ``m``
 covers its forward pass. ``F(n, m) = 0`` iff ``m >= head_bytes - y_{n-1}`` (rule 4). Wrapping a whole
 inside in one more region never helps (same peaks, more time), so ``v < t`` inside.
 
@@ -56,7 +56,7 @@ class _Grid:
         self._singles: dict[tuple[int, int, int], tuple[int, int, float]] = {}
         n, blocks = chain.n, chain.costs.blocks
         self.input = [self.up(b.input_bytes) for b in blocks]
-        self.rrb = self.up(chain.costs.region_recompute_bytes)
+        self.region_context = [self.up(chain.region_context_bytes(s)) for s in range(n)]
         self.region_forward = chain.region_forward_table()  # bytes; each chain adds its gradient g
         self.region_time = np.zeros((n + 1, n + 1))
         for s in range(n):
@@ -94,14 +94,15 @@ def _relax_single(best: np.ndarray, rest: np.ndarray, need: int, held: int, time
 
 def _relax_regions(grid: _Grid, best: np.ndarray, inner: np.ndarray, rest: np.ndarray, s: int,
                    stops: np.ndarray, forward_need: np.ndarray, inner_first: np.ndarray) -> None:
-    """best[m] = min(best[m], min_v time(s,v) + inner[v][m - rrb] + rest[v][m - x_s]) where m >= forward_need[v]."""
-    size, lo = best.shape[0], grid.input[s]
-    base = max(lo, grid.rrb)
+    """best[m] = min(best[m], min_v time(s,v) + inner[v][m - rc] + rest[v][m - x_s]) where m >= forward_need[v]
+    (``rc``: the region context, ``Chain.region_context_bytes(s)``)."""
+    size, lo, context = best.shape[0], grid.input[s], grid.region_context[s]
+    base = max(lo, context)
     if base >= size or stops.size == 0:
         return
-    vals = inner[:, base - grid.rrb:size - grid.rrb] + grid.region_time[s, stops][:, None]
+    vals = inner[:, base - context:size - context] + grid.region_time[s, stops][:, None]
     vals += rest[:, base - lo:size - lo]
-    for row in np.nonzero(forward_need > np.maximum(base, inner_first + grid.rrb))[0]:
+    for row in np.nonzero(forward_need > np.maximum(base, inner_first + context))[0]:
         vals[row, :forward_need[row] - base] = np.inf
     np.minimum(best[base:], vals.min(axis=0), out=best[base:])
 
@@ -156,11 +157,11 @@ def _rebuild(grid: _Grid, table_rest, s: int, t: int, m: int, options: Sequence[
             value = time_s + value if time_s != 0.0 else value
             if value == target:
                 return Single(block=s, option=k), s + 1, m - held
-    lo = grid.input[s]
+    lo, context = grid.input[s], grid.region_context[s]
     for v in range(s + 2, regions_to):
-        if m < max(lo, grid.rrb) or m < grid.up(int(grid.region_forward[s, v]) + gradient):
+        if m < max(lo, context) or m < grid.up(int(grid.region_forward[s, v]) + gradient):
             continue
-        value = (inside[v, s, m - grid.rrb] + grid.region_time[s, v]) + table_rest(v)[m - lo]
+        value = (inside[v, s, m - context] + grid.region_time[s, v]) + table_rest(v)[m - lo]
         if value == target:
             return None, v, m - lo
     raise AssertionError(f"solver reconstruction lost its path at block {s} (chain ending at {t}, slot {m})")
@@ -173,7 +174,7 @@ def _inside_plan(grid: _Grid, inside: np.ndarray, s: int, t: int, m: int) -> tup
         options = (0, len(grid.chain.menus[s]) - 1)
         piece, nxt, m_next = _rebuild(grid, lambda v: inside[t, v], s, t, m, options, gradient, inside, t)
         if piece is None:
-            piece = Region(s, nxt, _inside_plan(grid, inside, s, nxt, m - grid.rrb))
+            piece = Region(s, nxt, _inside_plan(grid, inside, s, nxt, m - grid.region_context[s]))
         pieces.append(piece)
         s, m = nxt, m_next
     return tuple(pieces)
@@ -187,7 +188,7 @@ def _top_plan(grid: _Grid, top: np.ndarray, inside: np.ndarray | None, m: int) -
         regions_to = n + 1 if inside is not None else 0
         piece, nxt, m_next = _rebuild(grid, lambda v: top[v], s, n, m, options, 0, inside, regions_to)
         if piece is None:
-            piece = Region(s, nxt, _inside_plan(grid, inside, s, nxt, m - grid.rrb))
+            piece = Region(s, nxt, _inside_plan(grid, inside, s, nxt, m - grid.region_context[s]))
         pieces.append(piece)
         s, m = nxt, m_next
     return tuple(pieces)

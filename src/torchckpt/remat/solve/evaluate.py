@@ -77,7 +77,7 @@ def _walk(chain: Chain, pieces: Sequence[Piece], start: int, stop: int, context:
             peak.see(context + held + gradient + chain.region_forward_bytes(piece.start, piece.stop),
                      f"the forward pass of the region of blocks {piece.start}..{piece.stop - 1}")
             inner_s, _ = _walk(chain, piece.inner, piece.start, piece.stop,
-                               context + held + chain.costs.region_recompute_bytes,
+                               context + held + chain.region_context_bytes(piece.start),
                                chain.gradient_inside(piece.stop), piece, peak)
             held += chain.costs.blocks[piece.start].input_bytes
             costs_s.append(chain.region_time_s(piece.start, piece.stop) + inner_s)

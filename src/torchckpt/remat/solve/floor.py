@@ -8,7 +8,8 @@ peak of blocks ``s..t-1`` as the inside of a region and ``Q(s)`` that of the top
     P(s, t) = min over first pieces  max(need, held + P(next, t)),   P(t, t) = 0
     Q(s)    = min over first pieces  max(need, held + Q(next))
 
-where a region piece ``[s, v)`` needs ``max(its forward, region_recompute_bytes + P(s, v))``.
+where a region piece ``[s, v)`` needs ``max(its forward, region context + P(s, v))`` (the region context is
+``Chain.region_context_bytes(s)``: ``region_recompute_bytes``, plus ``x_s`` when rule 3 needs it).
 The floor is ``fixed_bytes + y_{n-1} + Q(0)``. O(n^3) with numpy over the split point.
 """
 
@@ -32,7 +33,6 @@ def _inner_options(chain: Chain, block: int) -> tuple[int, ...]:
 def _inside_table(chain: Chain, region_forward: np.ndarray) -> np.ndarray:
     """``P[t, s]``: least peak of blocks s..t-1 as a region's inside, above its context."""
     n, blocks = chain.n, chain.costs.blocks
-    rrb = chain.costs.region_recompute_bytes
     peak = np.full((n + 1, n + 1), _BIG, dtype=np.int64)
     for t in range(1, n + 1):
         peak[t, t] = 0
@@ -45,7 +45,8 @@ def _inside_table(chain: Chain, region_forward: np.ndarray) -> np.ndarray:
                                      chain.held_bytes(s, option) + int(peak[t, s + 1])))
             if t - s >= 3:
                 v = np.arange(s + 2, t)
-                cand = np.maximum(np.maximum(region_forward[s, v] + gradient, rrb + peak[v, s]),
+                context = chain.region_context_bytes(s)
+                cand = np.maximum(np.maximum(region_forward[s, v] + gradient, context + peak[v, s]),
                                   blocks[s].input_bytes + peak[t, v])
                 best = min(best, int(cand.min()))
             peak[t, s] = best
@@ -55,7 +56,6 @@ def _inside_table(chain: Chain, region_forward: np.ndarray) -> np.ndarray:
 def _top_table(chain: Chain, inside: np.ndarray | None, region_forward: np.ndarray) -> tuple[list[int], list]:
     """``Q[s]`` and the first piece reaching it (options in menu order, then regions by length; first wins)."""
     n, costs = chain.n, chain.costs
-    rrb = costs.region_recompute_bytes
     top = [0] * (n + 1)
     choice: list = [None] * (n + 1)
     top[n] = costs.head_bytes - costs.blocks[-1].output_bytes
@@ -67,7 +67,7 @@ def _top_table(chain: Chain, inside: np.ndarray | None, region_forward: np.ndarr
                 best, pick = value, ("single", k)
         if inside is not None:
             for v in range(s + 2, n + 1):
-                value = max(int(region_forward[s, v]), rrb + int(inside[v, s]),
+                value = max(int(region_forward[s, v]), chain.region_context_bytes(s) + int(inside[v, s]),
                             costs.blocks[s].input_bytes + top[v])
                 if value < best:
                     best, pick = value, ("region", v)
@@ -78,7 +78,7 @@ def _top_table(chain: Chain, inside: np.ndarray | None, region_forward: np.ndarr
 def _inside_plan(chain: Chain, inside: np.ndarray, region_forward: np.ndarray, s: int, t: int) -> tuple[Piece, ...]:
     """Rebuild a least-peak inside of ``[s, t)`` from ``P`` (first piece reaching the value, in order)."""
     pieces: list[Piece] = []
-    rrb, gradient = chain.costs.region_recompute_bytes, chain.gradient_inside(t)
+    gradient = chain.gradient_inside(t)
     while s < t:
         target = int(inside[t, s])
         picked = None
@@ -89,7 +89,7 @@ def _inside_plan(chain: Chain, inside: np.ndarray, region_forward: np.ndarray, s
                 picked = (Single(block=s, option=k), s + 1)
                 break
         for v in range(s + 2, t) if picked is None else ():
-            value = max(int(region_forward[s, v]) + gradient, rrb + int(inside[v, s]),
+            value = max(int(region_forward[s, v]) + gradient, chain.region_context_bytes(s) + int(inside[v, s]),
                         chain.costs.blocks[s].input_bytes + int(inside[t, v]))
             if value == target:
                 picked = (Region(s, v, _inside_plan(chain, inside, region_forward, s, v)), v)
