@@ -5,7 +5,8 @@ Usage: .venv/bin/python bench/state/bench_throughput.py [--mb 512] [--repeats 3]
 
 One process, one state: a model of 4 square bias-free Linear layers + AdamW state after one step
 (params + 2 moments ~= --mb MB, 1 MB = 10**6 bytes). Every repeat runs every method once, in
-the same order (interleaved), so drift of the shared machine hits all methods alike; reported:
+the same order (interleaved), so drift of the shared machine hits all methods alike: first every
+write, then every read, the raw read both first and last (two samples per repeat); reported:
 median and min-max of the seconds, MB/s of the median. Every write ends with fsync (raw write:
 write + fsync; torch.save: + fsync of the file; dcp: FileSystemWriter(sync_files=True);
 torchckpt: its commit protocol, default hash xxh3_128). Before every read the files just written are
@@ -121,7 +122,7 @@ class Bench:
         if not self.warm:
             evict(path)
 
-    def raw(self) -> None:
+    def raw(self) -> list[Callable[[], None]]:
         path = os.path.join(self.root, "raw.bin")
         remove(path)
 
@@ -139,12 +140,15 @@ class Bench:
                     done += handle.readinto(view[done:])
             return out
 
-        self.timed("raw write (write+fsync)", write)
-        self.before_read(path)
-        out = self.timed("raw read", read)
-        assert torch.equal(out, self.blob)
+        def timed_read() -> None:
+            self.before_read(path)
+            out = self.timed("raw read", read)
+            assert torch.equal(out, self.blob)
 
-    def torch_save(self) -> None:
+        self.timed("raw write (write+fsync)", write)
+        return [timed_read]
+
+    def torch_save(self) -> list[Callable[[], None]]:
         path = os.path.join(self.root, "state.pt")
         remove(path)
 
@@ -154,12 +158,16 @@ class Bench:
             os.fsync(fd)
             os.close(fd)
 
-        self.timed("torch.save (+fsync)", save)
-        self.before_read(path)
-        loaded = self.timed("torch.load", lambda: torch.load(path, weights_only=True))
-        assert torch.equal(loaded["model"]["0.weight"], self.model[0].weight.detach())
+        def load() -> None:
+            self.before_read(path)
+            loaded = self.timed("torch.load", lambda: torch.load(path, weights_only=True))
+            assert torch.equal(loaded["model"]["0.weight"], saved_weight)
 
-    def dcp(self) -> None:
+        self.timed("torch.save (+fsync)", save)
+        saved_weight = self.model[0].weight.detach().clone()  # later rows train the model on
+        return [load]
+
+    def dcp(self) -> list[Callable[[], None]]:
         import torch.distributed.checkpoint as dcp
 
         path = os.path.join(self.root, "dcp")
@@ -170,12 +178,16 @@ class Bench:
                                 for k, s in self.optimizer.state_dict()["state"].items()}}
         source = {"model": self.model.state_dict(),
                   "optimizer": {str(k): dict(s) for k, s in self.optimizer.state_dict()["state"].items()}}
-        self.timed("dcp.save", lambda: dcp.save(source, storage_writer=dcp.FileSystemWriter(path)))
-        self.before_read(path)
-        self.timed("dcp.load", lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(path)))
-        assert torch.equal(target["model"]["0.weight"], self.model[0].weight.detach())
+        def load() -> None:
+            self.before_read(path)
+            self.timed("dcp.load", lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(path)))
+            assert torch.equal(target["model"]["0.weight"], saved_weight)
 
-    def torchckpt(self) -> None:
+        self.timed("dcp.save", lambda: dcp.save(source, storage_writer=dcp.FileSystemWriter(path)))
+        saved_weight = self.model[0].weight.detach().clone()
+        return [load]
+
+    def torchckpt(self) -> list[Callable[[], None]]:
         self.step += 1
         sync_dir, async_dir = os.path.join(self.root, "ckpt-sync"), os.path.join(self.root, "ckpt-async")
         remove(sync_dir)
@@ -185,22 +197,26 @@ class Bench:
         saved_weight = self.model[0].weight.detach().clone()  # the async rows below train the model on
         self.torchckpt_async(async_dir)
         self.torchckpt_async_staging(os.path.join(self.root, "ckpt-staged"))
-        for verify, name in (("full", "torchckpt restore (verify=full)"),
-                             ("fast", "torchckpt restore (verify=fast, no hashing)"),
-                             ("full", "torchckpt restore into the live model+optimizer (verify=full)")):
+
+        def restore(verify: str, name: str) -> None:
             # as a resumed run does: a freshly built model and optimizer (no state yet), built untimed
             model, optimizer = (self.model, self.optimizer) if "live" in name else fresh_model_and_optimizer(self.model)
             self.before_read(sync_dir)
             with Checkpointer(sync_dir, verify=verify) as ckpt:
-                restored = self.timed(name, lambda ckpt=ckpt, model=model, optimizer=optimizer: ckpt.restore(
-                    model=model, optimizer=optimizer, rng=False))
-            assert restored == self.step and torch.equal(model[0].weight, saved_weight)
-            del model, optimizer
-        # the read path alone: read + hash + decode to tensors, without load_state_dict into the live objects
-        self.before_read(sync_dir)
-        snapshot = self.timed("torchckpt read+verify=full+decode only (no load_state_dict)", lambda: read_newest_valid(
-            open_storage(sync_dir), step=None, verify="full", fallback=False, wanted={"model", "optimizer"}))
-        assert snapshot.step == self.step
+                restored = self.timed(name, lambda: ckpt.restore(model=model, optimizer=optimizer, rng=False))
+            assert restored == step and torch.equal(model[0].weight, saved_weight)
+
+        def read_only() -> None:
+            self.before_read(sync_dir)
+            snapshot = self.timed("torchckpt read+verify=full+decode only (no load_state_dict)", lambda: read_newest_valid(
+                open_storage(sync_dir), step=None, verify="full", fallback=False, wanted={"model", "optimizer"}))
+            assert snapshot.step == step
+
+        step = self.step
+        return [lambda: restore("full", "torchckpt restore (verify=full)"),
+                lambda: restore("fast", "torchckpt restore (verify=fast, no hashing)"),
+                lambda: restore("full", "torchckpt restore into the live model+optimizer (verify=full)"),
+                read_only]
 
     def torchckpt_async(self, async_dir: str) -> None:
         if self.async_ckpt is None:
@@ -244,12 +260,13 @@ class Bench:
         ckpt.wait()
         self.times.setdefault("torchckpt save (async_staging, until committed)", []).append(time.perf_counter() - start)
 
-    def hash_only(self) -> None:
+    def hash_only(self) -> list[Callable[[], None]]:
         """The hash of the same bytes, in memory: the hashing share of a save or a full-verify restore."""
         data = memoryview(self.blob.numpy())
         for algorithm in (DEFAULT_HASH_ALGORITHM, "sha256"):
             self.timed(f"{algorithm} of the same bytes (in memory, for reference)",
                        lambda algorithm=algorithm: hash_bytes(data, algorithm))
+        return []
 
 
 def main() -> None:
@@ -269,10 +286,15 @@ def main() -> None:
         bench = Bench(root, model, optimizer, nbytes, args.warm)
         methods = {"raw": bench.raw, "torch": bench.torch_save, "dcp": bench.dcp, "torchckpt": bench.torchckpt,
                    "hash": bench.hash_only}
-        chosen = [methods[name] for name in args.methods.split(",")]
+        chosen_names = args.methods.split(",")
+        chosen = [methods[name] for name in sorted(chosen_names, key=list(methods).index)]  # raw first
         for repeat in range(args.repeats):
-            for method in chosen:
-                method()
+            # every write of the repeat first, then every read, the raw read first and last: reads right
+            # after gigabytes of writes are slower on a virtual disk, and all reads should see the same disk
+            reads = [read for method in chosen for read in method()]
+            raw_reads = reads[:1] if "raw" in chosen_names else []
+            for read in raw_reads + reads[len(raw_reads):] + raw_reads:
+                read()
             print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     finally:
         for ckpt in (bench.async_ckpt, bench.staged_ckpt) if bench is not None else ():
