@@ -14,7 +14,10 @@ untimed and then evicted from the page cache (posix_fadvise DONTNEED), so timed 
 disk, unless --warm. The untimed read is there because on a virtual disk the first read of files
 written just before waits for the host's writeback of the whole burst of writes (a plain read of a
 fresh checkpoint's files measured 0.81 s median against 0.38 s for the raw file read before it): that
-wait would land on whichever reader comes first, not on the reader's own cost.
+wait would land on whichever reader comes first, not on the reader's own cost. Every reader reads into
+fresh memory; before each read the bench times a first touch of that much fresh memory on its own row:
+on this VM it varies several-fold between reads (0.13-0.80 s for 512 MB seen in one run), which is most
+of the spread of every read row.
 
 The async Checkpointers live across repeats, as in a training run (they save every repeat; no retention,
 so no deletion lands in their timing): the host staging buffer is allocated by the first save, reported
@@ -96,6 +99,18 @@ def read_untimed(path: str) -> None:
         with open(name, "rb", buffering=0) as handle:
             while handle.read(64 << 20):
                 pass
+
+
+def clear_steps(directory: str) -> None:
+    """Untimed, after an async save committed: drop its files from the page cache and delete them.
+
+    Left alone, gigabytes of committed steps fill the page cache and later fresh allocations (every
+    read buffer) pay for reclaiming it, on whichever reader comes next.
+    """
+    for entry in os.listdir(directory):
+        if entry.startswith("step-"):
+            evict(os.path.join(directory, entry))
+            shutil.rmtree(os.path.join(directory, entry))
 
 
 def remove(path: str) -> None:
@@ -237,8 +252,8 @@ class Bench:
 
     def torchckpt_async(self, async_dir: str) -> None:
         if self.async_ckpt is None:
-            # no retention: deleting the previous 512 MB step would land inside "until committed", while
-            # the sync rows delete their previous directory outside the timing
+            # no retention: deleting the previous 512 MB step would land inside "until committed"; each
+            # repeat deletes its steps untimed instead (clear_steps)
             self.async_ckpt = Checkpointer(async_dir, async_save=True)
             self.timed("torchckpt save (async, first save: allocates the staging buffer)", lambda: self.async_ckpt.save(
                 self.step, model=self.model, optimizer=self.optimizer))
@@ -250,6 +265,7 @@ class Bench:
         self.timed("training step, async save (copied in save()) in flight", self.train_step)
         self.async_ckpt.wait()
         self.times.setdefault("torchckpt save (async, until committed)", []).append(time.perf_counter() - start)
+        clear_steps(async_dir)
 
     def train_step(self) -> None:
         """One forward/backward and optimizer step of the bench model (what training does between saves)."""
@@ -276,6 +292,12 @@ class Bench:
             self.times.setdefault(name, []).append(seconds)
         ckpt.wait()
         self.times.setdefault("torchckpt save (async_staging, until committed)", []).append(time.perf_counter() - start)
+        clear_steps(staged_dir)
+
+    def touch(self) -> None:
+        """First touch of fresh memory, as every reader's buffer gets: on a VM its cost varies widely."""
+        fresh = torch.empty(self.nbytes, dtype=torch.uint8)
+        fresh.fill_(0)
 
     def hash_only(self) -> list[Callable[[], None]]:
         """The hash of the same bytes, in memory: the hashing share of a save or a full-verify restore."""
@@ -311,6 +333,7 @@ def main() -> None:
             reads = [read for method in chosen for read in method()]
             raw_reads = reads[:1] if "raw" in chosen_names else []
             for read in raw_reads + reads[len(raw_reads):] + raw_reads:
+                bench.timed("touch fresh memory of the state's size (page faults, for reference)", bench.touch)
                 read()
             print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
     finally:
