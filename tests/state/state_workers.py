@@ -29,6 +29,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "adamw-onecycle-sync": {"optimizer": "adamw", "scheduler": "onecycle", "async_save": False, "preempt": False},
     "sgd-step-async": {"optimizer": "sgd", "scheduler": "step", "async_save": True, "preempt": False},
     "adamw-step-preempt": {"optimizer": "adamw", "scheduler": "step", "async_save": True, "preempt": True},
+    "adamw-onecycle-staged": {"optimizer": "adamw", "scheduler": "onecycle", "async_save": True,
+                              "async_staging": True, "preempt": False},
     # The built-in GPT (tiny, dropout 0.1) on a fixed random token dataset, saved every 2 steps.
     "gpt-adamw-warmcosine-sync": {"model": "gpt", "optimizer": "adamw", "scheduler": "warmcosine",
                                   "async_save": False, "preempt": False, "every": 2},
@@ -109,7 +111,7 @@ def run_training(run_dir: str, losses_path: str, variant: str, total_steps: int)
     spec = VARIANTS[variant]
     model, optimizer, scheduler, loader = build_training(variant, total_steps)
     train_state = {"epoch": 0}
-    options = {"keep_last": 2, "async_save": spec["async_save"]}
+    options = {"keep_last": 2, "async_save": spec["async_save"], "async_staging": spec.get("async_staging", False)}
     options.update({"save_on_preemption": True} if spec["preempt"] else {"save_every_steps": spec.get("every", 1)})
     items = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
              "train_state": train_state}
@@ -157,12 +159,12 @@ def big_step(model, optimizer) -> None:
     optimizer.step()
 
 
-def kill_writer(run_dir: str, async_save: bool) -> None:
-    """Train and save every step until killed (runs in a forked child)."""
+def kill_writer(run_dir: str, mode: str) -> None:
+    """Train and save every step until killed (runs in a forked child); ``mode``: sync, async or staged."""
     from torchckpt.state import Checkpointer
 
     model, optimizer = build_big()
-    ckpt = Checkpointer(run_dir, keep_last=2, async_save=async_save)
+    ckpt = Checkpointer(run_dir, keep_last=2, async_save=mode != "sync", async_staging=mode == "staged")
     for step in range(1, 10_000):
         big_step(model, optimizer)
         ckpt.save(step, model=model, optimizer=optimizer, metrics={"step": step})
@@ -209,7 +211,7 @@ def zygote() -> None:
         pid = os.fork()
         if pid == 0:
             try:
-                kill_writer(run_dir, async_save=mode == "async")
+                kill_writer(run_dir, mode)
             finally:
                 os._exit(3)
         print(f"pid {pid}", flush=True)
@@ -254,7 +256,7 @@ def _worker_env() -> dict[str, str]:
 
 
 def run_kill_trials(base_dir: str, trials: int, seed: int, max_delay_s: float = 0.5) -> list[dict[str, Any]]:
-    """Kill -9 ``trials`` writers (odd trials with async saves) at random moments, then verify
+    """Kill -9 ``trials`` writers (by trial number: sync, async, async_staging saves in turn) at random moments, then verify
     every run dir in a fresh process.
 
     Writers are forked from one zygote process that imported torch once, so a trial
@@ -276,7 +278,7 @@ def run_kill_trials(base_dir: str, trials: int, seed: int, max_delay_s: float = 
         for trial in range(trials):
             run_dir = os.path.join(base_dir, f"trial-{trial:04d}")
             run_dirs.append(run_dir)
-            mode = "async" if trial % 2 else "sync"  # half the writers save in the background
+            mode = ("sync", "async", "staged")[trial % 3]  # two thirds of the writers save in the background
             zygote_proc.stdin.write(f"{run_dir} {mode}\n")
             zygote_proc.stdin.flush()
             pid = int(zygote_proc.stdout.readline().split()[1])

@@ -68,6 +68,7 @@ CASES = [
     ("adamw-onecycle-sync", signal.SIGKILL, 0),
     ("sgd-step-async", signal.SIGKILL, 1),
     ("adamw-step-preempt", signal.SIGTERM, 2),
+    ("adamw-onecycle-staged", signal.SIGKILL, 3),
 ]
 
 
