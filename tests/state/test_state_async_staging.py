@@ -12,7 +12,7 @@ import torch
 from state_workers import bitwise_equal
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
-from torchckpt.state import CheckpointError, Checkpointer
+from torchckpt.state import Checkpointer, CheckpointError
 from torchckpt.state.staging import HostStaging
 
 
