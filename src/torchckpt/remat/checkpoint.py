@@ -137,10 +137,18 @@ class _Region:
 def _is_keepable(func: Any, tag_name: str | None) -> bool:
     schema = func._schema
     if schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
-        return False  # random ops must draw again in recomputation, or every later random op shifts
+        # Random ops must draw again in recomputation, or every later random op shifts. ATen tags every
+        # op that may draw so, including the attention kernels that take ``dropout_p`` (SDPA).
+        return False
     if tag_name is not None:
         return True
     return not any(ret.alias_info is not None for ret in schema.returns)
+
+
+def _can_keep(func: Any, flat: list[Any], tag_name: str | None) -> bool:
+    """Whether a policy is asked about this op at all: every output is a tensor and the op is not a view,
+    in-place or random op (policies.py rule 1). The profiler offers the planner only ops that pass."""
+    return bool(flat) and all(isinstance(v, torch.Tensor) for v in flat) and _is_keepable(func, tag_name)
 
 
 class _RegionMode(TorchDispatchMode):
@@ -174,8 +182,7 @@ class _ForwardMode(_RegionMode):
         flat, spec = tree_flatten(out)
         index = len(region.records)
         region.records.append(_OpRecord(_op_name(func), _describe_outputs(flat)))
-        if (flat and all(isinstance(v, torch.Tensor) for v in flat) and _is_keepable(func, tag_name)
-                and region.policy(OpInfo(func, args, kwargs, index, tag_name))):
+        if _can_keep(func, flat, tag_name) and region.policy(OpInfo(func, args, kwargs, index, tag_name)):
             region.keep(index, flat, spec)
         return out
 

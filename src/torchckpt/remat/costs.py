@@ -73,7 +73,9 @@ class OpCosts:
     """One op of a block's forward pass, at the position the executor's policies see (``OpInfo.index``).
 
     ``saved``: autograd keeps this op's output for the backward pass when the block runs plainly, so
-    keeping it under checkpointing saves its recomputation without adding memory beyond ``saved_bytes``.
+    keeping it under checkpointing saves its recomputation without adding memory beyond ``saved_bytes``;
+    and the executor can keep it (it is not a random, in-place or view op, and not written in place
+    later). Only ``saved`` ops appear in menus, so every menu option is one the executor realises.
     """
 
     index: int

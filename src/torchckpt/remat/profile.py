@@ -19,7 +19,11 @@ How each figure of ``costs.py`` is obtained (rules of that module in brackets):
    residue from the checkpointed step, above the plain one.
 4. Ops are recorded inside each block's plain forward with the executor's own numbering (``aten.detach``
    skipped, ``tag`` visible as in a checkpointed region), so ``save_ops`` indices in a plan refer to them.
-   An op is ``saved`` when autograd saves a tensor whose storage the op created. Op times are measured
+   An op is ``saved`` when autograd saves a tensor whose storage the op created and the executor can
+   keep its outputs (``checkpoint._can_keep``: not a view, not in-place, not random, and not written in
+   place later). SDPA is tagged random by ATen (it takes ``dropout_p``), so it is recomputed under any
+   policy; counting it as kept over-predicted selective plans by its output per block (2.16 MB per block
+   on gpt("mini") at 16 x 256 tokens) and under-predicted their recompute time. Op times are measured
    with the recorder on and scaled so that they sum to the block's forward time: the lesser of its two
    hook-timed forwards, then the median over structurally equal blocks with equal input shapes. The
    step time is the checkpointed step's less its blocks' forwards (an estimate: no extra plain step
@@ -43,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 from torchckpt.memory import MemoryMeter
 from torchckpt.remat.apply import CheckpointHandle, _wrap_region, checkpoint_modules
 from torchckpt.remat.blocks import find_blocks, structure_key
+from torchckpt.remat.checkpoint import _can_keep
 from torchckpt.remat import solve as solver
 from torchckpt.remat.costs import BlockCosts, ChainCosts, OpCosts
 from torchckpt.remat.policies import TAG_STATE, _op_name
@@ -57,6 +62,7 @@ selective plans on HF Llama measured up to 64 KiB above their prediction (2 hidd
 test model); plans keep this room so that a plan at its budget still measures within it."""
 
 _DETACH = torch.ops.aten.detach.default
+_TAG = torch.ops.aten.alias.default  # what ``tag`` dispatches (policies.py)
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -165,6 +171,7 @@ class _Recorder(TorchDispatchMode):
         if block is None or func is _DETACH:
             return func(*args, **kwargs)
         inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        tag_name = TAG_STATE.pending_name if func is _TAG else None
         start = time.perf_counter()
         out = func(*args, **kwargs)
         elapsed = time.perf_counter() - start
@@ -175,7 +182,8 @@ class _Recorder(TorchDispatchMode):
                 if owner is not None and owner[0] is block:
                     block.ops[owner[1]]["mutated"] = True
         new_bytes = 0
-        for leaf in tree_flatten(out)[0]:
+        flat_out = tree_flatten(out)[0]
+        for leaf in flat_out:
             if isinstance(leaf, torch.Tensor):
                 storage = leaf.untyped_storage()
                 key = id(storage)
@@ -184,7 +192,7 @@ class _Recorder(TorchDispatchMode):
                     self._refs[key] = weakref.ref(storage, lambda _r, key=key: self._forget(key))
                     new_bytes += storage.nbytes()
         block.ops.append({"index": index, "name": _op_name(func), "output_bytes": new_bytes, "saved": False,
-                          "time_s": elapsed})
+                          "keepable": _can_keep(func, flat_out, tag_name), "time_s": elapsed})
         return out
 
     def _forget(self, key: int) -> None:
@@ -458,7 +466,7 @@ def _assemble(plain: _Probe, recomputed: _Probe, times: list[float], step_time_s
         recompute = max(0, (ckpt_trace.backward_peak or 0) - ckpt_base)
         op_time_total = sum(op["time_s"] for op in trace.ops) or 1.0
         ops = tuple(OpCosts(index=op["index"], name=op["name"], output_bytes=op["output_bytes"],
-                            saved=op["saved"] and not op.get("mutated", False),
+                            saved=op["saved"] and op["keepable"] and not op.get("mutated", False),
                             time_s=op["time_s"] * times[i] / op_time_total) for op in trace.ops)
         blocks.append(BlockCosts(name=f"{i}:{names[i]}", input_bytes=inputs[i],
                                  output_bytes=trace.output_bytes, saved_bytes=saved[i], forward_time_s=times[i],
