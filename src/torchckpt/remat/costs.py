@@ -27,6 +27,13 @@ The peak model the solver evaluates (numbered so that solver, profiler and tests
    forward pass. A checkpoint keeps its inputs whatever the block saves. (Measured in a plain step,
    the flag also covers an input the previous block saves as its own output; a plan that checkpoints
    that previous block then over-counts ``x_i``, which is safe.)
+   A checkpointed block also holds ``freed_side_input_bytes``: its other tensor inputs (positional and
+   keyword; each storage once, the first input's excluded) whose storage the plain step has already
+   freed when the block's backward pass begins, such as an encoder output or a position bias read only
+   by linear layers with frozen weights. The plain step's calibration (rule 5) absorbs their absence,
+   so they are added back whenever a checkpoint keeps them. A storage read by several checkpointed
+   blocks is counted once per block, an over-count, which is safe. A region holds the same bytes of its
+   first block, as its context and after it.
 4. Forward end: ``fixed_bytes + sum(held) + head_bytes`` (``head_bytes``: the loss, logits and their
    gradients above everything else, measured).
 5. The backward pass visits pieces in reverse. With ``C`` the bytes live around the chain (top level:
@@ -37,7 +44,8 @@ The peak model the solver evaluates (numbered so that solver, profiler and tests
    block without ``input_held_when_plain``.
    A region's inside is evaluated as a chain with ``C' = C + H + region_recompute_bytes`` (plus
    ``x_first``, the region's input, which the region holds through its backward pass, when its first
-   block does not hold its input when plain; conservative when that block is checkpointed inside), where
+   block does not hold its input when plain, and the first block's ``freed_side_input_bytes``;
+   conservative when that block is checkpointed inside), where
    ``region_recompute_bytes`` (a ChainCosts field) is what recomputing a region keeps alive beyond its
    blocks' own costs. The profiler measures it on a region over blocks ``0`` and ``1`` followed by plain
    blocks, and adds one block output, which measurements with checkpointed blocks nested in a
@@ -102,6 +110,7 @@ class BlockCosts:
     recompute_peak_bytes: int = 0
     ops: tuple[OpCosts, ...] = ()
     input_held_when_plain: bool = True
+    freed_side_input_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.input_held_when_plain, bool):
@@ -111,7 +120,8 @@ class BlockCosts:
                             output_bytes=self.output_bytes, saved_bytes=self.saved_bytes,
                             forward_time_s=self.forward_time_s, forward_peak_bytes=self.forward_peak_bytes,
                             backward_peak_bytes=self.backward_peak_bytes,
-                            recompute_peak_bytes=self.recompute_peak_bytes)
+                            recompute_peak_bytes=self.recompute_peak_bytes,
+                            freed_side_input_bytes=self.freed_side_input_bytes)
         object.__setattr__(self, "ops", tuple(op if isinstance(op, OpCosts) else OpCosts(**op) for op in self.ops))
 
 

@@ -11,8 +11,10 @@ How each figure of ``costs.py`` is obtained (rules of that module in brackets):
    ``saved_bytes`` is what a
    block's forward leaves behind minus its output [3]; ``input_held_when_plain`` is whether the
    block's input storage (watched through a weak reference) is still alive when the block's backward
-   pass begins in the plain step [3]; ``head_bytes`` is the peak between the last block's forward and
-   the first block backward, above fixed and everything the blocks hold [4].
+   pass begins in the plain step [3]; ``freed_side_input_bytes`` is, of the block's other tensor inputs
+   (positional and keyword, each storage once, the first input's storage excluded), the bytes of those
+   whose storage is dead at that moment [3]; ``head_bytes`` is the peak between the last block's forward
+   and the first block backward, above fixed and everything the blocks hold [4].
 3. ``backward_peak_bytes`` and ``forward_peak_bytes`` are the measured peaks minus what rules 5 and 6
    already count, so the all-plain plan is predicted exactly; they absorb what the model does not name
    (parameter gradients created so far, the head's leftovers). ``recompute_peak_bytes`` is the same
@@ -133,6 +135,20 @@ def _nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.untyped_storage().nbytes()
 
 
+def _side_inputs(inputs: Any, first: torch.Tensor | None) -> list[tuple[weakref.ref, int]]:
+    """Weak references to the storages of a block's tensor inputs other than ``first``'s, each once: what
+    a checkpoint of the block keeps alive besides its first input."""
+    # The list holds every storage object while ids are compared, so no id can be reused meanwhile.
+    storages = [leaf.untyped_storage() for leaf in tree_flatten(inputs)[0] if isinstance(leaf, torch.Tensor)]
+    seen = set() if first is None else {id(first.untyped_storage())}
+    found = []
+    for storage in storages:
+        if id(storage) not in seen:
+            seen.add(id(storage))
+            found.append((weakref.ref(storage), storage.nbytes()))
+    return found
+
+
 @dataclass
 class _BlockTrace:
     input_bytes: int = 0
@@ -150,6 +166,8 @@ class _BlockTrace:
     ops: list[dict] = field(default_factory=list)
     input_storage: weakref.ref | None = None  # weak: the probe must not keep the input alive itself
     input_alive_at_backward: bool = True
+    side_inputs: list[tuple[weakref.ref, int]] = field(default_factory=list)  # (storage, bytes), weak as above
+    freed_side_input_bytes: int = 0
 
 
 class _Recorder(TorchDispatchMode):
@@ -233,6 +251,7 @@ class _Probe:
             trace.input_id = id(x)
             trace.input_shape = tuple(x.shape) if x is not None else ()
             trace.input_storage = weakref.ref(x.untyped_storage()) if x is not None else None
+            trace.side_inputs = _side_inputs((args, kwargs), x)
             trace.before_forward = self.meter.current_bytes
             self.meter.reset_peak()
             trace.forward_s = time.perf_counter()
@@ -267,6 +286,7 @@ class _Probe:
                 self.head_peak = self.meter.peak_bytes
             trace = self.traces[i]
             trace.input_alive_at_backward = trace.input_storage is None or trace.input_storage() is not None
+            trace.freed_side_input_bytes = sum(nbytes for ref, nbytes in trace.side_inputs if ref() is None)
             self._close_backward()
             self._backward_open = i
             self.meter.reset_peak()
@@ -448,7 +468,9 @@ def _assemble(plain: _Probe, recomputed: _Probe, times: list[float], step_time_s
     else:  # the boundary readings already telescope what a plain block holds, its input or not
         inputs, saved = _held_between_blocks(plain, recomputed, fixed, ckpt_fixed)
         input_held = [True] * n
-    # Rule 3 of costs.py: what each block holds through the plain step's backward pass.
+    # Rule 3 of costs.py: what each block holds through the plain step's backward pass, and what a
+    # checkpoint of it holds beyond its input (the step above ran every block so).
+    freed = [t.freed_side_input_bytes for t in traces]
     plain_held = [(inputs[i] if input_held[i] else 0) + saved[i] for i in range(n)]
     last_output = traces[-1].output_bytes
     held_before = [sum(plain_held[:i]) for i in range(n)]
@@ -461,8 +483,8 @@ def _assemble(plain: _Probe, recomputed: _Probe, times: list[float], step_time_s
         # Rule 6 counts C, which holds the last block's output gradient; that is not alive in the forward pass.
         forward = max(0, trace.forward_peak - (fixed + last_output + held_before[i] + inputs[i]))
         ckpt_trace = recomputed.traces[i]
-        ckpt_held = sum(inputs[:i])
-        ckpt_base = ckpt_fixed + last_output + ckpt_held + inputs[i] + saved[i] + incoming + backward
+        ckpt_held = sum(inputs[:i]) + sum(freed[:i])
+        ckpt_base = ckpt_fixed + last_output + ckpt_held + inputs[i] + freed[i] + saved[i] + incoming + backward
         recompute = max(0, (ckpt_trace.backward_peak or 0) - ckpt_base)
         op_time_total = sum(op["time_s"] for op in trace.ops) or 1.0
         ops = tuple(OpCosts(index=op["index"], name=op["name"], output_bytes=op["output_bytes"],
@@ -471,7 +493,8 @@ def _assemble(plain: _Probe, recomputed: _Probe, times: list[float], step_time_s
         blocks.append(BlockCosts(name=f"{i}:{names[i]}", input_bytes=inputs[i],
                                  output_bytes=trace.output_bytes, saved_bytes=saved[i], forward_time_s=times[i],
                                  forward_peak_bytes=forward, backward_peak_bytes=backward,
-                                 recompute_peak_bytes=recompute, ops=ops, input_held_when_plain=input_held[i]))
+                                 recompute_peak_bytes=recompute, ops=ops, input_held_when_plain=input_held[i],
+                                 freed_side_input_bytes=freed[i]))
     return ChainCosts(fixed_bytes=fixed + headroom, head_bytes=head, blocks=tuple(blocks), step_time_s=step_time_s,
                       chain=chain, notes={"headroom_bytes": str(headroom)})
 

@@ -46,9 +46,17 @@ class Chain:
         return self.costs.blocks[stop - 1].output_bytes if stop < self.n else 0
 
     def _input_held_bytes(self, block: int, option: MenuOption) -> int:
-        """Rule 3: a checkpoint holds its input; a plain block only if autograd kept it (measured)."""
+        """Rule 3: a checkpoint holds its input and the side inputs the plain step frees; a plain block
+        its input only if autograd kept it (measured)."""
         b = self.costs.blocks[block]
-        return b.input_bytes if not option.plain or b.input_held_when_plain else 0
+        if not option.plain:
+            return b.input_bytes + b.freed_side_input_bytes
+        return b.input_bytes if b.input_held_when_plain else 0
+
+    def region_held_bytes(self, start: int) -> int:
+        """Rule 3: a region holds its first block's input and the side inputs the plain step frees."""
+        b = self.costs.blocks[start]
+        return b.input_bytes + b.freed_side_input_bytes
 
     def held_bytes(self, block: int, option: MenuOption) -> int:
         """Rule 3: a single block holds its input (see ``_input_held_bytes``) plus what its option keeps."""
@@ -66,9 +74,11 @@ class Chain:
 
     def region_context_bytes(self, start: int) -> int:
         """Rule 5: what a region starting at ``start`` adds to its inside's context: the recompute residue,
-        and its input when its first block, run plainly, would not count it (the region holds it)."""
+        its input when its first block, run plainly, would not count it, and that block's side inputs the
+        plain step frees (the region holds both)."""
         b = self.costs.blocks[start]
-        return self.costs.region_recompute_bytes + (0 if b.input_held_when_plain else b.input_bytes)
+        held_input = 0 if b.input_held_when_plain else b.input_bytes
+        return self.costs.region_recompute_bytes + held_input + b.freed_side_input_bytes
 
     def region_forward_bytes(self, start: int, stop: int) -> int:
         """Rule 6 for a region above ``C + H + g``: its blocks run holding only the first input."""

@@ -55,7 +55,7 @@ class _Grid:
         self.chain, self.step, self.size, self.allow_regions = chain, step, size, allow_regions
         self._singles: dict[tuple[int, int, int], tuple[int, int, float]] = {}
         n, blocks = chain.n, chain.costs.blocks
-        self.input = [self.up(b.input_bytes) for b in blocks]
+        self.region_held = [self.up(chain.region_held_bytes(s)) for s in range(n)]
         self.region_context = [self.up(chain.region_context_bytes(s)) for s in range(n)]
         self.region_forward = chain.region_forward_table()  # bytes; each chain adds its gradient g
         self.region_time = np.zeros((n + 1, n + 1))
@@ -96,7 +96,7 @@ def _relax_regions(grid: _Grid, best: np.ndarray, inner: np.ndarray, rest: np.nd
                    stops: np.ndarray, forward_need: np.ndarray, inner_first: np.ndarray) -> None:
     """best[m] = min(best[m], min_v time(s,v) + inner[v][m - rc] + rest[v][m - x_s]) where m >= forward_need[v]
     (``rc``: the region context, ``Chain.region_context_bytes(s)``)."""
-    size, lo, context = best.shape[0], grid.input[s], grid.region_context[s]
+    size, lo, context = best.shape[0], grid.region_held[s], grid.region_context[s]
     base = max(lo, context)
     if base >= size or stops.size == 0:
         return
@@ -157,7 +157,7 @@ def _rebuild(grid: _Grid, table_rest, s: int, t: int, m: int, options: Sequence[
             value = time_s + value if time_s != 0.0 else value
             if value == target:
                 return Single(block=s, option=k), s + 1, m - held
-    lo, context = grid.input[s], grid.region_context[s]
+    lo, context = grid.region_held[s], grid.region_context[s]
     for v in range(s + 2, regions_to):
         if m < max(lo, context) or m < grid.up(int(grid.region_forward[s, v]) + gradient):
             continue
@@ -199,7 +199,7 @@ def _byte_gcd(chain: Chain) -> int:
     values = [costs.head_bytes, costs.region_recompute_bytes, costs.blocks[-1].output_bytes]
     for block, menu in zip(costs.blocks, chain.menus):
         values += [block.input_bytes, block.saved_bytes, block.forward_peak_bytes, block.backward_peak_bytes,
-                   block.recompute_peak_bytes]
+                   block.recompute_peak_bytes, block.freed_side_input_bytes]
         values += [option.held_bytes for option in menu]
     return math.gcd(*values) or 1
 

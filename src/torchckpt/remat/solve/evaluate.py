@@ -79,7 +79,7 @@ def _walk(chain: Chain, pieces: Sequence[Piece], start: int, stop: int, context:
             inner_s, _ = _walk(chain, piece.inner, piece.start, piece.stop,
                                context + held + chain.region_context_bytes(piece.start),
                                chain.gradient_inside(piece.stop), piece, peak)
-            held += chain.costs.blocks[piece.start].input_bytes
+            held += chain.region_held_bytes(piece.start)
             costs_s.append(chain.region_time_s(piece.start, piece.stop) + inner_s)
         nxt = last + 1
     if nxt != stop:

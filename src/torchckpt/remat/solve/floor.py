@@ -9,7 +9,8 @@ peak of blocks ``s..t-1`` as the inside of a region and ``Q(s)`` that of the top
     Q(s)    = min over first pieces  max(need, held + Q(next))
 
 where a region piece ``[s, v)`` needs ``max(its forward, region context + P(s, v))`` (the region context is
-``Chain.region_context_bytes(s)``: ``region_recompute_bytes``, plus ``x_s`` when rule 3 needs it).
+``Chain.region_context_bytes(s)``: ``region_recompute_bytes``, plus ``x_s`` when rule 3 needs it and
+block ``s``'s ``freed_side_input_bytes``).
 The floor is ``fixed_bytes + y_{n-1} + Q(0)``. O(n^3) with numpy over the split point.
 """
 
@@ -32,7 +33,7 @@ def _inner_options(chain: Chain, block: int) -> tuple[int, ...]:
 
 def _inside_table(chain: Chain, region_forward: np.ndarray) -> np.ndarray:
     """``P[t, s]``: least peak of blocks s..t-1 as a region's inside, above its context."""
-    n, blocks = chain.n, chain.costs.blocks
+    n = chain.n
     peak = np.full((n + 1, n + 1), _BIG, dtype=np.int64)
     for t in range(1, n + 1):
         peak[t, t] = 0
@@ -47,7 +48,7 @@ def _inside_table(chain: Chain, region_forward: np.ndarray) -> np.ndarray:
                 v = np.arange(s + 2, t)
                 context = chain.region_context_bytes(s)
                 cand = np.maximum(np.maximum(region_forward[s, v] + gradient, context + peak[v, s]),
-                                  blocks[s].input_bytes + peak[t, v])
+                                  chain.region_held_bytes(s) + peak[t, v])
                 best = min(best, int(cand.min()))
             peak[t, s] = best
     return peak
@@ -68,7 +69,7 @@ def _top_table(chain: Chain, inside: np.ndarray | None, region_forward: np.ndarr
         if inside is not None:
             for v in range(s + 2, n + 1):
                 value = max(int(region_forward[s, v]), chain.region_context_bytes(s) + int(inside[v, s]),
-                            costs.blocks[s].input_bytes + top[v])
+                            chain.region_held_bytes(s) + top[v])
                 if value < best:
                     best, pick = value, ("region", v)
         top[s], choice[s] = best, pick
@@ -90,7 +91,7 @@ def _inside_plan(chain: Chain, inside: np.ndarray, region_forward: np.ndarray, s
                 break
         for v in range(s + 2, t) if picked is None else ():
             value = max(int(region_forward[s, v]) + gradient, chain.region_context_bytes(s) + int(inside[v, s]),
-                        chain.costs.blocks[s].input_bytes + int(inside[t, v]))
+                        chain.region_held_bytes(s) + int(inside[t, v]))
             if value == target:
                 picked = (Region(s, v, _inside_plan(chain, inside, region_forward, s, v)), v)
                 break
