@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from remat_helpers import prediction_error
 from torch import nn
 
-import torchckpt
 from torchckpt.remat import solve as solver
-from torchckpt.remat.plan import fingerprint
-from torchckpt.remat.planner import _schedule_to_json
 from torchckpt.remat.profile import profile
 
 WIDTH, BATCH, TOKENS, DEPTH = 32, 4, 64, 4
@@ -55,19 +53,6 @@ def _model(frozen: bool) -> tuple[nn.Module, tuple]:
     return model, (torch.randn(BATCH, TOKENS, WIDTH, generator=torch.Generator().manual_seed(1)),)
 
 
-def _verify(model: nn.Module, batch: tuple, costs: torchckpt.remat.costs.ChainCosts, schedule: tuple) -> int:
-    """(predicted peak - headroom) - measured peak of ``schedule``; gradients must equal the plain model's."""
-    paths = [f"blocks.{i}" for i in range(DEPTH)]
-    menus = [solver.block_menu(block) for block in costs.blocks]
-    predicted, _ = solver.evaluate(costs, schedule)
-    plan = torchckpt.Plan(budget_bytes=int(predicted), predicted_peak_bytes=int(predicted), predicted_extra_time_s=0.0,
-                          schedule=tuple(_schedule_to_json(schedule, menus)), block_paths=tuple(paths),
-                          fingerprint=fingerprint(model, batch, paths))
-    report = torchckpt.verify(model, plan, batch)
-    assert report.gradients_equal, plan.table()
-    return int(predicted) - int(costs.notes["headroom_bytes"]) - report.measured_peak_bytes
-
-
 def _single(block: int, menus: list, keep_nothing: bool) -> solver.Single:
     return solver.Single(block=block, option=len(menus[block]) - 1 if keep_nothing else 0)
 
@@ -86,7 +71,7 @@ def test_post_norm_chain_predicted_to_the_kilobyte(frozen: bool) -> None:
     errors = {}
     for name, keep_nothing in patterns.items():
         schedule = tuple(_single(i, menus, keep_nothing[i]) for i in range(DEPTH))
-        errors[name] = _verify(model, batch, costs, schedule)
+        errors[name] = prediction_error(model, batch, costs, schedule)
     assert all(-1024 <= error <= 1024 for error in errors.values()), errors
 
 
@@ -102,5 +87,5 @@ def test_post_norm_chain_regions_are_not_under_predicted() -> None:
                  (solver.Region(0, 2, (_single(0, menus, False), _single(1, menus, True))),
                   solver.Region(2, 4, (_single(2, menus, False), _single(3, menus, False))))]
     for schedule in schedules:
-        error = _verify(model, batch, costs, schedule)
+        error = prediction_error(model, batch, costs, schedule)
         assert error >= -1024, (schedule, error)

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from remat_helpers import prediction_error
 from torch import nn
 
 import torchckpt
 from torchckpt.remat import solve as solver
-from torchckpt.remat.plan import fingerprint
-from torchckpt.remat.planner import _schedule_to_json
 from torchckpt.remat.profile import profile
 
 WIDTH, BATCH, TOKENS, ENCODER_DEPTH, DECODER_DEPTH = 32, 4, 64, 2, 4
@@ -73,19 +72,6 @@ def _model() -> tuple[nn.Module, tuple]:
     return model, tuple(torch.randn(BATCH, TOKENS, WIDTH, generator=generator) for _ in range(2))
 
 
-def _verify(model: nn.Module, batch: tuple, costs: torchckpt.remat.costs.ChainCosts, schedule: tuple) -> int:
-    """(predicted peak - headroom) - measured peak of ``schedule``; gradients must equal the plain model's."""
-    paths = [f"blocks.{i}" for i in range(DEPTH)]
-    menus = [solver.block_menu(block) for block in costs.blocks]
-    predicted, _ = solver.evaluate(costs, schedule)
-    plan = torchckpt.Plan(budget_bytes=int(predicted), predicted_peak_bytes=int(predicted), predicted_extra_time_s=0.0,
-                          schedule=tuple(_schedule_to_json(schedule, menus)), block_paths=tuple(paths),
-                          fingerprint=fingerprint(model, batch, paths))
-    report = torchckpt.verify(model, plan, batch)
-    assert report.gradients_equal, plan.table()
-    return int(predicted) - int(costs.notes["headroom_bytes"]) - report.measured_peak_bytes
-
-
 @pytest.fixture(scope="module")
 def profiled() -> tuple[nn.Module, tuple, torchckpt.remat.costs.ChainCosts]:
     model, batch = _model()
@@ -108,7 +94,7 @@ def test_checkpointed_decoder_blocks_are_not_under_predicted(profiled: tuple, ch
     menus = [solver.block_menu(block) for block in costs.blocks]
     schedule = tuple(solver.Single(block=i, option=len(menus[i]) - 1 if i in checkpointed else 0)
                      for i in range(DEPTH))
-    error = _verify(model, batch, costs, schedule)
+    error = prediction_error(model, batch, costs, schedule)
     if not checkpointed:
         assert -1024 <= error <= 1024, error
     else:
