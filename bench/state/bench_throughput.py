@@ -7,7 +7,7 @@ One process, one state: a model of 4 square bias-free Linear layers + AdamW stat
 (params + 2 moments ~= --mb MB, 1 MB = 10**6 bytes). Every repeat runs every method once, in
 the same order (interleaved), so drift of the shared machine hits all methods alike: first every
 write, then every read, the raw read both first and last (two samples per repeat); reported:
-median and min-max of the seconds, MB/s of the median. Every write ends with fsync (raw write:
+median and min-max of the seconds, MB/s of the median (state bytes over the time; none for the training-step rows). Every write ends with fsync (raw write:
 write + fsync; torch.save: + fsync of the file; dcp: FileSystemWriter(sync_files=True);
 torchckpt: its commit protocol, default hash xxh3_128). Before every timed read the files are read once
 untimed and then evicted from the page cache (posix_fadvise DONTNEED), so timed reads come from the
@@ -346,7 +346,7 @@ def main() -> None:
     for name, seconds in bench.times.items():
         median = statistics.median(seconds)
         rows[name] = {"median_s": median, "min_s": min(seconds), "max_s": max(seconds),
-                      "mb_per_s": nbytes / MB / median if median > 0 else None, "seconds": seconds}
+                      "mb_per_s": nbytes / MB / median if median > 0 and not name.startswith("training step") else None, "seconds": seconds}
     med = {name: row["median_s"] for name, row in rows.items()}
     save = f"torchckpt save (sync, {DEFAULT_HASH_ALGORITHM})"
     targets = [

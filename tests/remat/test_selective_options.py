@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from remat_helpers import prediction_error
 
-import torchckpt
 from torchckpt.memory import MemoryMeter
 from torchckpt.models import gpt
 from torchckpt.remat import solve as solver
 from torchckpt.remat.checkpoint import checkpoint
 from torchckpt.remat.costs import ChainCosts
-from torchckpt.remat.plan import fingerprint
-from torchckpt.remat.planner import _schedule_to_json
 from torchckpt.remat.policies import save_ops
 from torchckpt.remat.profile import profile
 
@@ -64,19 +62,11 @@ def test_each_option_holds_what_the_executor_keeps(profiled: _Profiled) -> None:
 
 def test_every_block_on_one_option_is_predicted_to_the_kilobyte(profiled: _Profiled) -> None:
     model, batch, costs = profiled
-    paths = [f"blocks.{i}" for i in range(len(model.blocks))]
     menus = [solver.block_menu(block) for block in costs.blocks]
-    headroom = int(costs.notes["headroom_bytes"])
     for _, option in _checkpoint_options(costs):
         # Menus are per block (op times are each block's own); a block whose menu lacks the option runs plain.
         chosen = [next((k for k, o in enumerate(menu) if not o.plain and o.kept_ops == option.kept_ops), 0)
                   for menu in menus]
         schedule = tuple(solver.Single(block=i, option=k) for i, k in enumerate(chosen))
-        predicted, _ = solver.evaluate(costs, schedule)
-        plan = torchckpt.Plan(budget_bytes=int(predicted), predicted_peak_bytes=int(predicted),
-                              predicted_extra_time_s=0.0, schedule=tuple(_schedule_to_json(schedule, menus)),
-                              block_paths=tuple(paths), fingerprint=fingerprint(model, batch, paths))
-        report = torchckpt.verify(model, plan, batch)
-        assert report.gradients_equal, plan.table()
-        error = (predicted - headroom) - report.measured_peak_bytes
-        assert -1024 <= error <= 1024, (option.kept_ops, error, plan.table())
+        error = prediction_error(model, batch, costs, schedule)
+        assert -1024 <= error <= 1024, (option.kept_ops, error)

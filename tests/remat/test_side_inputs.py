@@ -88,14 +88,14 @@ def test_freed_side_inputs_are_measured(profiled: tuple) -> None:
 @pytest.mark.parametrize("checkpointed", [(), (2,), (3,), (4,), (2, 3), (3, 4), (1, 3), tuple(range(DEPTH))],
                          ids=lambda blocks: "plain" if not blocks else "+".join(map(str, blocks)))
 def test_checkpointed_decoder_blocks_are_not_under_predicted(profiled: tuple, checkpointed: tuple[int, ...]) -> None:
-    """The all-plain schedule is exact (rule 3 of profile.py); a checkpoint counts ``memory`` once per block
-    that keeps it, an over-count where several do, so only the sign is exact for the others."""
+    """The all-plain schedule and one checkpointed block are exact; a checkpoint counts ``memory`` once per
+    block that keeps it, an over-count where several do, so only the sign is exact for those."""
     model, batch, costs = profiled
     menus = [solver.block_menu(block) for block in costs.blocks]
     schedule = tuple(solver.Single(block=i, option=len(menus[i]) - 1 if i in checkpointed else 0)
                      for i in range(DEPTH))
     error = prediction_error(model, batch, costs, schedule)
-    if not checkpointed:
+    if len(checkpointed) <= 1:  # nothing counted twice: exact
         assert -1024 <= error <= 1024, error
     else:
         assert error >= -1024, error

@@ -130,12 +130,14 @@ def _read_checked(
     buffer = memoryview(torch.empty(expected.size_bytes, dtype=torch.uint8).numpy())
     hasher = new_hasher(algorithm) if algorithm is not None else None
     updates: list[Future[None]] = []
+    hash_piece = None
+    if hasher is not None:
 
-    def hash_piece(piece: memoryview) -> None:
-        updates.append(hash_thread.submit(hasher.update, piece))  # type: ignore[union-attr]  # in order: one worker
+        def hash_piece(piece: memoryview) -> None:
+            updates.append(hash_thread.submit(hasher.update, piece))  # one worker: pieces hash in order
 
     try:
-        size = storage.read_into(entry, name, buffer, hash_piece if hasher is not None else None)
+        size = storage.read_into(entry, name, buffer, hash_piece)
     except FileNotFoundError:
         size = None
     for update in updates:

@@ -275,7 +275,9 @@ class Checkpointer:
         self._write(step, files, metrics)
 
     def _before_optimizer_step(self, optimizer: object, args: object, kwargs: object) -> None:
+        start = time.perf_counter()
         self.wait_staged()
+        self.optimizer_wait_s += time.perf_counter() - start
 
     def wait_staged(self) -> None:
         """Block until the in-flight save no longer reads live tensors (``async_staging=True``).
@@ -292,11 +294,8 @@ class Checkpointer:
             >>> with torch.no_grad(): _ = model.weight.zero_()  # safe now
             >>> ckpt.close(); tmp.cleanup()
         """
-        staged = self._staged
-        if staged is not None and not staged.is_set():
-            start = time.perf_counter()
-            staged.wait()
-            self.optimizer_wait_s += time.perf_counter() - start
+        if self._staged is not None:
+            self._staged.wait()
 
     def _write(self, step: int, files: Mapping[str, FileChunks], metrics: Mapping[str, float]) -> None:
         algorithm = self.config.hash_algorithm

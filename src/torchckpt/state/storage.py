@@ -196,8 +196,6 @@ class LocalStorage:
         Raises FileNotFoundError if it is missing.
         """
         with open(self.path_of(entry, name), "rb", buffering=0) as handle:
-            if hasattr(os, "posix_fadvise"):  # read front to back: the kernel may read further ahead
-                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             return _read_pieces(handle, into, on_piece)
 
     def file_size(self, entry: str, name: str) -> int | None:

@@ -46,15 +46,16 @@ class Chain:
         return self.costs.blocks[stop - 1].output_bytes if stop < self.n else 0
 
     def _input_held_bytes(self, block: int, option: MenuOption) -> int:
-        """Rule 3: a checkpoint holds its input and the side inputs the plain step frees; a plain block
-        its input only if autograd kept it (measured)."""
-        b = self.costs.blocks[block]
+        """Rule 3: a checkpoint holds what ``region_held_bytes`` says; a plain block its input only if
+        autograd kept it (measured)."""
         if not option.plain:
-            return b.input_bytes + b.freed_side_input_bytes
+            return self.region_held_bytes(block)
+        b = self.costs.blocks[block]
         return b.input_bytes if b.input_held_when_plain else 0
 
     def region_held_bytes(self, start: int) -> int:
-        """Rule 3: a region holds its first block's input and the side inputs the plain step frees."""
+        """Rule 3: a checkpoint (of one block, or a region starting there) holds the block's input and the
+        side inputs the plain step frees."""
         b = self.costs.blocks[start]
         return b.input_bytes + b.freed_side_input_bytes
 
