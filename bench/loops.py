@@ -26,8 +26,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 from torchckpt.memory import MemoryMeter
-from torchckpt.remat.loop import LoopStats, checkpointed_loop
-from torchckpt.remat.revolve import optimal_step_evaluations
+from torchckpt.loops.runner import LoopStats, checkpointed_loop
+from torchckpt.loops.revolve import optimal_step_evaluations
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from torchckpt.remat.costs import BlockCosts, ChainCosts, OpCosts
-from torchckpt.remat.solve import Region, Single, evaluate, floor_bytes, solve
+from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
+from torchckpt.planner.solve import Region, Single, evaluate, floor_bytes, solve
 
 MIB = 2**20
 

@@ -1,127 +1,54 @@
 """torchckpt: activation checkpointing under an absolute memory budget, and crash-proof training state.
 
-Public API (everything else is private and may change):
+The names a user starts with (everything else lives in a namespace below):
 
-    plan, apply, verify, frontier, Plan
-                                     plan activation checkpointing against an absolute memory budget
-
+    plan, apply, verify_plan, frontier, Plan, InfeasibleBudgetError
+                                     plan activation checkpointing against an absolute memory budget,
+                                     apply it to an unmodified model, prove it
     MemoryMeter                      exact live tensor bytes (CPU), allocator stats (CUDA), process RSS
-    checkpoint, checkpoint_sequential, checkpoint_modules
-                                     the non-reentrant executor with save policies
-    nothing_saveable, everything_saveable, dots_saveable, dots_with_no_batch_dims_saveable,
-    save_only_these_names, save_anything_except_these_names, save_from_both_policies, save_ops, tag
-                                     JAX-style save policies
-    saved_residuals                  what a call keeps for backward under a policy
+    checkpoint, checkpoint_sequential, checkpoint_modules, saved_residuals, tag
+                                     the executor with JAX-style save policies (``torchckpt.policies``)
     checkpointed_loop, checkpointed_while
                                      binomial (Revolve) checkpointing of long loops
-    models                           built-in GPT, U-Net and MLP (``torchckpt.models``)
-    Checkpointer, list_checkpoints, verify_checkpoint, export_model_weights, import_torch_save
-                                     crash-proof, pickle-free training-state checkpoints (``torchckpt.state``)
+    Checkpointer, CheckpointError    crash-proof, pickle-free training-state checkpoints
+
+Namespaces: ``policies`` (the save policies), ``executor``, ``planner``, ``loops``, ``state`` (every
+state error, ``list_checkpoints``, ``verify_checkpoint``, import/export), ``memory``, ``models``.
 """
 
-from torchckpt import models, state
+from torchckpt import executor, loops, memory, models, planner, state
 from torchckpt._version import __version__
-from torchckpt.memory import MemoryBreakdown, MemoryMeter
-from torchckpt.remat.apply import apply_plan as apply
-from torchckpt.remat.frontier import Frontier, frontier
-from torchckpt.remat.plan import Plan, PlanMismatchError
-from torchckpt.remat.planner import plan
-from torchckpt.remat.solve import InfeasibleBudgetError
-from torchckpt.remat.verify import VerifyReport, verify
-from torchckpt.state import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointFallbackWarning,
-    CheckpointInfo,
-    CheckpointLockedError,
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    Checkpointer,
-    CheckpointerConfig,
-    CheckpointWriteError,
-    RetentionPolicy,
-    UnsafeFileError,
-    UnsupportedStateError,
-    export_model_weights,
-    import_torch_save,
-    list_checkpoints,
-    verify_checkpoint,
-)
-from torchckpt.remat import (
-    CheckpointHandle,
-    OpInfo,
-    Policy,
-    RecomputationMismatchError,
-    RematError,
-    checkpoint,
-    checkpoint_modules,
-    checkpoint_sequential,
-    checkpointed_loop,
-    checkpointed_while,
-    dots_saveable,
-    dots_with_no_batch_dims_saveable,
-    everything_saveable,
-    nothing_saveable,
-    save_anything_except_these_names,
-    save_from_both_policies,
-    save_only_these_names,
-    save_ops,
-    saved_residuals,
-    tag,
-)
+from torchckpt.executor import checkpoint, checkpoint_modules, checkpoint_sequential, saved_residuals, tag
+from torchckpt.executor import policies
+from torchckpt.loops import checkpointed_loop, checkpointed_while
+from torchckpt.memory import MemoryMeter
+from torchckpt.planner import InfeasibleBudgetError, Plan, frontier, plan, verify_plan
+from torchckpt.planner import apply_plan as apply
+from torchckpt.state import CheckpointError, Checkpointer
 
 __all__ = [
     "__version__",
-    "models",
     "plan",
     "apply",
-    "verify",
+    "verify_plan",
     "frontier",
     "Plan",
-    "PlanMismatchError",
     "InfeasibleBudgetError",
-    "VerifyReport",
-    "Frontier",
     "MemoryMeter",
-    "MemoryBreakdown",
     "checkpoint",
     "checkpoint_sequential",
     "checkpoint_modules",
-    "CheckpointHandle",
-    "RecomputationMismatchError",
-    "RematError",
-    "OpInfo",
-    "Policy",
-    "nothing_saveable",
-    "everything_saveable",
-    "dots_saveable",
-    "dots_with_no_batch_dims_saveable",
-    "save_only_these_names",
-    "save_anything_except_these_names",
-    "save_from_both_policies",
-    "save_ops",
-    "tag",
     "saved_residuals",
+    "tag",
     "checkpointed_loop",
     "checkpointed_while",
-    "state",
     "Checkpointer",
-    "CheckpointerConfig",
-    "CheckpointInfo",
-    "RetentionPolicy",
-    "list_checkpoints",
-    "verify_checkpoint",
-    "export_model_weights",
-    "import_torch_save",
     "CheckpointError",
-    "CheckpointCorruptError",
-    "CheckpointLockedError",
-    "CheckpointWriteError",
-    "CheckpointExistsError",
-    "CheckpointMismatchError",
-    "CheckpointNotFoundError",
-    "UnsafeFileError",
-    "UnsupportedStateError",
-    "CheckpointFallbackWarning",
+    "policies",
+    "executor",
+    "planner",
+    "loops",
+    "state",
+    "memory",
+    "models",
 ]

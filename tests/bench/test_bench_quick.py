@@ -98,7 +98,7 @@ def test_chain_detection_explains_non_chain_models() -> None:
 
 @pytest.mark.parametrize("options, message", [
     ({"repeats": 0}, "BenchConfig.repeats must be an int >= 1; got 0"),
-    ({"models": ("gpt-huge",)}, "unknown benchmark model 'gpt-huge'"),
+    ({"models": ("gpt-huge",)}, "unknown model 'gpt-huge'"),
     ({"peers": ("every_block",)}, "always including 'none'"),
     ({"sweep_points": 1}, "sweep_points must be an int >= 2"),
 ])

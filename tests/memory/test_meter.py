@@ -93,7 +93,7 @@ def test_small_mlp_training_step_matches_hand_computed_peak() -> None:
 
 
 def test_counts_tensors_made_in_backward_and_recomputation() -> None:
-    from torchckpt.remat import checkpoint
+    from torchckpt.executor import checkpoint
 
     layer = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
     x = torch.randn(512, 256, requires_grad=True)

@@ -16,14 +16,14 @@ from torchckpt.bench.methods import (
            apply_method,
            chain_reason,
 )
-from torchckpt.bench.models import MODELS, BenchModel, get_model, register
+from torchckpt.bench.models import MODELS, ModelEntry, get_model
 from torchckpt.bench.report import evaluate_targets, markdown, plot_model, write_reports
 
 __all__ = [
            "MODELS",
            "PEER_LABELS",
            "BenchConfig",
-           "BenchModel",
+           "ModelEntry",
            "MethodSpec",
            "NotApplicableError",
            "apply_method",
@@ -32,7 +32,6 @@ __all__ = [
            "get_model",
            "markdown",
            "plot_model",
-           "register",
            "run_benchmark",
            "write_reports",
 ]

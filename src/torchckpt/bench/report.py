@@ -27,7 +27,7 @@ PLANNING_TARGET_STEPS = 5.0
 
 def _brief(text: str, limit: int = 200) -> str:
     """An error message for a table cell: module path dropped, one line, at most ``limit`` characters."""
-    text = " ".join(str(text).split()).replace("torchckpt.remat.solve._types.", "")
+    text = " ".join(str(text).split()).replace("torchckpt.planner.solve._types.", "")
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 

@@ -18,6 +18,7 @@ Fairness rules kept here (bench/README.md lists them all):
 
 from __future__ import annotations
 
+import json
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -30,8 +31,7 @@ from torchckpt.bench.methods import MethodSpec, NotApplicableError, apply_method
 from torchckpt.bench.models import count_parameters, get_model
 from torchckpt.memory import MemoryMeter
 from torchckpt.memory.rss import read_rss_bytes, reset_peak_rss
-from torchckpt.remat.planner import _block_paths
-from torchckpt.remat.profile import StepRunner
+from torchckpt.planner import StepRunner, block_paths
 
 __all__ = ["LEARNING_RATE", "method_worker", "planner_worker"]
 
@@ -160,15 +160,13 @@ def make_plans(model_name: str, peer_budgets: dict[str, int], sweep_points: int,
         >>> len(result["plans"]), result["plans"][0]["label"]
         (2, 'sweep 1/2')
     """
-    from torchckpt.remat import solve as solver
-    from torchckpt.remat.plan import fingerprint
-    from torchckpt.remat.planner import no_checkpointing_schedule, plan_from_costs
-    from torchckpt.remat.profile import profile
+    from torchckpt.planner import fingerprint, no_checkpointing_schedule, plan_from_costs, profile
+    from torchckpt.planner import solve as solver
 
     entry = get_model(model_name)
     model, inputs = entry.build()
     blocks = entry.blocks(model)
-    paths = _block_paths(model, blocks)
+    paths = block_paths(model, blocks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     start = time.perf_counter()
     costs = profile(model, inputs, optimizer=optimizer, blocks=blocks)
@@ -192,7 +190,7 @@ def make_plans(model_name: str, peer_budgets: dict[str, int], sweep_points: int,
             path = Path(out_dir) / f"plan-{i}.json"
             made.save(path)
             item.update(plan_path=str(path), predicted_peak_bytes=made.predicted_peak_bytes,
-                        predicted_extra_time_s=made.predicted_extra_time_s, schedule=list(made.schedule),
+                        predicted_extra_time_s=made.predicted_extra_time_s, schedule=json.loads(made.to_json())["schedule"],
                         table=made.table())
         item["solve_s"] = time.perf_counter() - start
         plans.append(item)

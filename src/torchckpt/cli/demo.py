@@ -17,7 +17,7 @@ import torch
 from torchckpt._units import format_bytes
 from torchckpt.memory import MemoryMeter
 from torchckpt.models import GPT, gpt
-from torchckpt.remat import PolicyLike, checkpoint_modules
+from torchckpt.executor import PolicyLike, checkpoint_modules
 
 _METHODS: tuple[tuple[str, PolicyLike | str], ...] = (
     ("no checkpointing", "none"),

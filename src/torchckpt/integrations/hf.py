@@ -29,9 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchckpt.remat.apply import CheckpointHandle, apply_plan
-from torchckpt.remat.plan import Plan
-from torchckpt.train.planning import plan_without_side_effects
+from torchckpt.executor import CheckpointHandle
+from torchckpt.planner import Plan, apply_plan, plan_without_side_effects
 
 __all__ = ["HFHandle", "disable", "enable", "is_enabled"]
 

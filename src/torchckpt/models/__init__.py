@@ -2,10 +2,12 @@
 
 from torchckpt.models.gpt import GPT, GPT_SIZES, GPTConfig, gpt
 from torchckpt.models.mlp import MLP, mlp
+from torchckpt.models.registry import MODELS, BatchShape, ModelEntry, ModelSpecError, get_model, load_model, register
 from torchckpt.models.unet import UNET_SIZES, UNet, UNetConfig, unet
 
 __all__ = ["GPT", "GPTConfig", "GPT_SIZES", "gpt", "UNet", "UNetConfig", "UNET_SIZES", "unet", "MLP", "mlp",
-           "block_modules"]
+           "block_modules", "MODELS", "BatchShape", "ModelEntry", "ModelSpecError", "get_model", "load_model",
+           "register"]
 
 
 def block_modules(model: GPT | UNet | MLP) -> list:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchckpt.models._config import check_config, sized_config
-from torchckpt.remat.policies import tag
+from torchckpt.executor.policies import tag
 
 __all__ = ["GPTConfig", "GPT", "gpt", "GPT_SIZES"]
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchckpt.remat.policies import tag
+from torchckpt.executor.policies import tag
 
 __all__ = ["MLP", "mlp"]
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchckpt.models._config import check_config, sized_config
-from torchckpt.remat.policies import tag
+from torchckpt.executor.policies import tag
 
 __all__ = ["UNetConfig", "UNet", "unet", "UNET_SIZES"]
 

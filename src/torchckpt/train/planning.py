@@ -1,100 +1,18 @@
-"""Plan a model for training without changing it: parameters, buffers, train/eval mode and RNG come back.
+"""The training job's plan: reuse the one saved in the run directory when it fits, else plan anew.
 
-``torchckpt.plan(..., optimizer=...)`` takes real training steps (so that optimizer state exists while
-it measures). Here those steps run with a throwaway AdamW over the trainable parameters; afterwards
-every parameter and buffer is copied back from a host snapshot and the torch RNG state is restored, so
-a run that plans and a run that loads a saved plan continue bitwise alike. The snapshot is NumPy
-memory, not tensors, so it does not count in the measured peaks (``MemoryMeter`` counts tensors).
+Planning goes through ``torchckpt.planner.plan_without_side_effects``, so a run that plans and a run
+that loads a saved plan continue bitwise alike.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-import torch
 from torch import nn
 
-from torchckpt.remat.plan import Plan, PlanMismatchError
-from torchckpt.remat.planner import plan as make_plan
+from torchckpt.planner import Plan, PlanMismatchError, plan_without_side_effects
 
-__all__ = ["load_or_make_plan", "plan_without_side_effects", "preserved_state"]
-
-
-def _host_bytes(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().copy()
-
-
-@contextlib.contextmanager
-def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Put back the model's parameters, buffers, mode and the torch RNG states (CPU and every initialised
-    CUDA device) when the block exits.
-
-    Example:
-        >>> layer = nn.Linear(2, 2)
-        >>> before = layer.weight.detach().clone()
-        >>> with preserved_state(layer), torch.no_grad():
-        ...     _ = layer.weight.add_(1.0)
-        >>> torch.equal(layer.weight, before)
-        True
-    """
-    tensors = dict(model.named_parameters())
-    tensors.update(dict(model.named_buffers()))
-    saved = {name: (_host_bytes(t), t.dtype, t.shape) for name, t in tensors.items()}
-    modes = {name: module.training for name, module in model.named_modules()}
-    rng = torch.get_rng_state().numpy().copy()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        with torch.no_grad():
-            for name, tensor in tensors.items():
-                data, dtype, shape = saved[name]
-                tensor.copy_(torch.from_numpy(data).view(dtype).view(shape))
-        for name, module in model.named_modules():
-            module.training = modes.get(name, module.training)
-        torch.set_rng_state(torch.from_numpy(rng))
-
-
-def plan_without_side_effects(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
-                              optimizer: str | None = "adamw",
-                              loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Plan:
-    """``torchckpt.plan`` in training mode, with AdamW state counted, leaving ``model`` and RNG as they were.
-
-    ``optimizer="adamw"`` reserves what AdamW will hold (two moments per trainable parameter) by
-    planning with a throwaway AdamW; ``None`` plans without optimizer state. Call it before building
-    the real optimizer, or that optimizer's state is counted as well.
-
-    Example:
-        >>> from torchckpt.models import gpt
-        >>> model = gpt("tiny")
-        >>> plan = plan_without_side_effects(model, model.example_batch(batch_size=2, seq_len=16), "100%")
-        >>> plan.predicted_extra_time_s
-        0.0
-    """
-    if optimizer not in ("adamw", None):
-        raise ValueError(f"optimizer={optimizer!r}: use 'adamw' (reserve AdamW's state) or None (no optimizer state)")
-    # Unreachable tensors in reference cycles (a model or trainer dropped earlier) are live storages until the
-    # collector runs: left there, they would count as fixed bytes while profiling, or vanish in the middle of it.
-    gc.collect()
-    with preserved_state(model):
-        model.train()
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        if not trainable:
-            raise ValueError("the model has no parameter with requires_grad=True: there is nothing to train or plan")
-        throwaway = torch.optim.AdamW(trainable, lr=0.0) if optimizer == "adamw" else None
-        try:
-            return make_plan(model, example_inputs, budget, optimizer=throwaway, loss_fn=loss_fn)
-        finally:
-            for param in model.parameters():
-                param.grad = None
-            del throwaway
+__all__ = ["load_or_make_plan"]
 
 
 def load_or_make_plan(path: Path, model: nn.Module, example_inputs: tuple | dict, budget: int | str,

@@ -31,14 +31,13 @@ from torch import nn
 
 from torchckpt._units import format_bytes
 from torchckpt.memory import MemoryMeter
-from torchckpt.models import gpt
-from torchckpt.remat.apply import apply_plan
-from torchckpt.remat.plan import Plan
-from torchckpt.remat.profile import default_loss
+from torchckpt.models import BatchShape, ModelSpecError, gpt, load_model
+from torchckpt.planner import Plan, apply_plan, default_loss, preserved_state
 from torchckpt.state import Checkpointer
+from torchckpt.state.format import step_dir_name
 from torchckpt.train.config import TrainConfig
 from torchckpt.train.data import ByteChunks, load_stdlib_corpus, make_loader
-from torchckpt.train.planning import load_or_make_plan, preserved_state
+from torchckpt.train.planning import load_or_make_plan
 from torchckpt.train.progress import Display, StepReport, make_display
 
 __all__ = ["WARMUP_STEPS", "TrainError", "build_model", "format_summary", "train"]
@@ -66,12 +65,10 @@ def build_model(config: TrainConfig) -> tuple[nn.Module, str]:
         c = model.config
         text = f"gpt({config.size!r}): {c.n_layer} layers x {c.d_model}"
     else:
-        from torchckpt.cli.plan_commands import load_model
-
         try:
-            model, _ = load_model(config.model, config.batch_size, config.seq_len)
-        except SystemExit as error:
-            raise TrainError(str(error.code)) from None
+            model, _ = load_model(config.model, BatchShape(batch_size=config.batch_size, seq_len=config.seq_len))
+        except ModelSpecError as error:
+            raise TrainError(str(error)) from None
         except Exception as error:  # noqa: BLE001 - the user's file or factory may raise anything: one line
             raise TrainError(f"--model {config.model}: building the model failed with "
                              f"{type(error).__name__}: {error}") from None
@@ -325,7 +322,7 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
     items = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "progress": progress}
     step = checkpointer.restore(**items) or 0
     if step:
-        say(f"resumed from {checkpointer.directory}/step-{step:09d} (model, AdamW, LR schedule, data position, RNG)")
+        say(f"resumed from {checkpointer.directory}/{step_dir_name(step)} (model, AdamW, LR schedule, data position, RNG)")
         if progress.get("plan_budget_bytes") != plan.budget_bytes:  # a new plan: its peak and times start afresh
             progress.update(peak_bytes=0, timed_steps=0, timed_s=0.0, plan_budget_bytes=plan.budget_bytes)
     if step < config.steps:

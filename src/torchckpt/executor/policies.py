@@ -1,0 +1,251 @@
+"""Save policies: which op outputs inside a checkpointed region are kept instead of recomputed.
+
+The names and meanings follow ``jax.checkpoint_policies``. A policy is a callable that receives one
+:class:`OpInfo` (an op that just ran in the forward pass of a checkpointed region) and returns ``True``
+to keep its outputs for the backward pass, ``False`` to recompute them.
+
+Rules the executor applies around any policy (see ``checkpoint.py``):
+
+1. View, in-place and random ops are never kept (a view is free to recompute; keeping an in-place
+   result would skip the mutation; a random op must draw again so later random ops get the same
+   numbers). ``tag`` is the one view that is asked about.
+2. A kept output that is later modified in place (inside the region or after it) is recomputed
+   instead of served, so recomputation always sees the values the forward pass saw.
+3. The policy is asked in the forward pass only; recomputation replays the same decisions by position.
+
+Example:
+    >>> from torchckpt.executor.policies import resolve_policy
+    >>> resolve_policy("dots_saveable").name
+    'dots_saveable'
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "OpInfo",
+    "Policy",
+    "nothing_saveable",
+    "everything_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "save_only_these_names",
+    "save_anything_except_these_names",
+    "save_from_both_policies",
+    "save_ops",
+    "tag",
+    "resolve_policy",
+    "POLICIES",
+    "PolicyLike",
+    "TAG_STATE",
+    "op_name",
+]
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """One op that ran inside a checkpointed region, as a policy sees it.
+
+    Attributes:
+        func: the ATen overload (e.g. ``torch.ops.aten.mm.default``).
+        args, kwargs: the op's arguments (tensors are the real inputs; do not modify them).
+        index: position of the op in the region's forward pass, counting from 0.
+        tag_name: the name given with :func:`tag` when this op is a tag, else None.
+    """
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    index: int
+    tag_name: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The op's name without overload, e.g. ``"aten.mm"``."""
+        return op_name(self.func)
+
+
+def op_name(func: Any) -> str:
+    """An ATen op's name without overload, as policies and reports show it.
+
+    Example:
+        >>> op_name(torch.ops.aten.mm.default)
+        'aten.mm'
+    """
+    packet = getattr(func, "overloadpacket", func)
+    return str(packet).replace("torch.ops.", "")
+
+
+class Policy:
+    """A named save policy: ``policy(op: OpInfo) -> bool`` (True keeps the op's outputs).
+
+    Example:
+        >>> keep_mm = Policy("keep_mm", lambda op: op.name == "aten.mm")
+        >>> keep_mm
+        Policy('keep_mm')
+    """
+
+    def __init__(self, name: str, decide: Callable[[OpInfo], bool]) -> None:
+        if not callable(decide):
+            raise TypeError(f"Policy {name!r}: decide must be callable; got {type(decide).__name__}")
+        self.name = name
+        self._decide = decide
+
+    def __call__(self, op: OpInfo) -> bool:
+        return bool(self._decide(op))
+
+    def __repr__(self) -> str:
+        return f"Policy({self.name!r})"
+
+
+# Matmul-family ops as they reach the dispatcher (aten.linear and aten.matmul decompose into these).
+_DOT_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution",
+                      "aten._scaled_dot_product_flash_attention_for_cpu",
+                      "aten._scaled_dot_product_flash_attention",
+                      "aten._scaled_dot_product_efficient_attention",
+                      "aten._scaled_dot_product_cudnn_attention",
+                      "aten._efficient_attention_forward", "aten._flash_attention_forward"})
+# JAX's dot_general without batch dimensions: 2-D matrix products only.
+_NO_BATCH_DOT_OPS = frozenset({"aten.mm", "aten.addmm"})
+
+nothing_saveable = Policy("nothing_saveable", lambda op: False)
+"""Keep nothing: recompute the whole region (classic activation checkpointing)."""
+
+everything_saveable = Policy("everything_saveable", lambda op: True)
+"""Keep everything: no recomputation. ``checkpoint`` then runs the function plainly."""
+
+dots_saveable = Policy("dots_saveable", lambda op: op.name in _DOT_OPS)
+"""Keep outputs of matmul-family ops (mm, addmm, bmm, baddbmm, linear, convolution, SDPA)."""
+
+dots_with_no_batch_dims_saveable = Policy("dots_with_no_batch_dims_saveable",
+                                          lambda op: op.name in _NO_BATCH_DOT_OPS)
+"""Keep outputs of matrix products without batch dimensions (mm, addmm: every ``nn.Linear``)."""
+
+
+def _check_names(function: str, names: tuple[str, ...]) -> frozenset[str]:
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"{function}(*names): every name must be a str; got {name!r}")
+    return frozenset(names)
+
+
+def save_only_these_names(*names: str) -> Policy:
+    """Keep only values marked with :func:`tag` under one of ``names``.
+
+    Example:
+        >>> save_only_these_names("attn_out", "mlp_in")
+        Policy("save_only_these_names('attn_out', 'mlp_in')")
+    """
+    wanted = _check_names("save_only_these_names", names)
+    label = ", ".join(repr(n) for n in names)
+    return Policy(f"save_only_these_names({label})", lambda op: op.tag_name in wanted)
+
+
+def save_anything_except_these_names(*names: str) -> Policy:
+    """Keep every op output except values tagged with one of ``names``.
+
+    Example:
+        >>> save_anything_except_these_names("scores")
+        Policy("save_anything_except_these_names('scores')")
+    """
+    unwanted = _check_names("save_anything_except_these_names", names)
+    label = ", ".join(repr(n) for n in names)
+    return Policy(f"save_anything_except_these_names({label})", lambda op: op.tag_name not in unwanted)
+
+
+def save_from_both_policies(first: PolicyLike, second: PolicyLike) -> Policy:
+    """Keep what either policy keeps.
+
+    Example:
+        >>> save_from_both_policies("dots_saveable", save_only_these_names("x")).name
+        "save_from_both_policies(dots_saveable, save_only_these_names('x'))"
+    """
+    a, b = resolve_policy(first), resolve_policy(second)
+    return Policy(f"save_from_both_policies({a.name}, {b.name})", lambda op: a(op) or b(op))
+
+
+def save_ops(indices: frozenset[int] | set[int] | list[int], name: str = "save_ops") -> Policy:
+    """Keep the outputs of the ops at these positions of the region's forward pass.
+
+    This is how a plan expresses a selective-checkpoint choice measured by the profiler.
+
+    Example:
+        >>> save_ops([0, 3]).name
+        'save_ops'
+    """
+    wanted = frozenset(int(i) for i in indices)
+    return Policy(name, lambda op: op.index in wanted)
+
+
+PolicyLike = Policy | str | Callable[[OpInfo], bool] | None
+
+POLICIES: dict[str, Policy] = {
+    p.name: p for p in (nothing_saveable, everything_saveable, dots_saveable, dots_with_no_batch_dims_saveable)
+}
+"""Named policies usable as strings: ``checkpoint(fn, x, policy="dots_saveable")``."""
+
+
+def resolve_policy(policy: PolicyLike) -> Policy:
+    """Turn a policy name, callable or None (= ``nothing_saveable``) into a :class:`Policy`.
+
+    Example:
+        >>> resolve_policy(None).name
+        'nothing_saveable'
+        >>> resolve_policy(lambda op: op.name == "aten.mm").name
+        '<lambda>'
+    """
+    if policy is None:
+        return nothing_saveable
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            valid = ", ".join(sorted(POLICIES))
+            hint = ("; name-based policies are built with save_only_these_names(...) or "
+                    "save_anything_except_these_names(...)")
+            raise ValueError(f"unknown policy {policy!r}; valid names: {valid}{hint}")
+        return POLICIES[policy]
+    if callable(policy):
+        return Policy(getattr(policy, "__name__", type(policy).__name__), policy)
+    raise TypeError(f"policy must be a name ({', '.join(sorted(POLICIES))}), a Policy, a callable "
+                    f"taking an OpInfo, or None; got {type(policy).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------- tag
+class _TagState(threading.local):
+    pending_name: str | None = None
+    active_regions: int = 0
+
+
+TAG_STATE = _TagState()
+"""Per-thread: the name of a tag being applied, and how many checkpointed regions are active."""
+
+
+def tag(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Mark ``tensor`` with ``name`` for the name-based policies (like ``jax.ad_checkpoint.checkpoint_name``).
+
+    Returns a view of ``tensor`` (no copy) inside a checkpointed region, and ``tensor`` itself outside
+    one. Use the returned value afterwards.
+
+    Example:
+        >>> x = torch.ones(3)
+        >>> tag(x, "hidden") is x          # outside a checkpointed region: identity
+        True
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tag(tensor, name): tensor must be a torch.Tensor; got {type(tensor).__name__}")
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"tag(tensor, name): name must be a non-empty str; got {name!r}")
+    if TAG_STATE.active_regions == 0:
+        return tensor
+    TAG_STATE.pending_name = name
+    try:
+        return torch.ops.aten.alias.default(tensor)
+    finally:
+        TAG_STATE.pending_name = None

@@ -1,0 +1,112 @@
+"""Realise a Plan on an unmodified model with the executor: ``apply_plan`` (``torchckpt.apply``).
+
+A plan is lowered onto the executor's own pieces: a recomputed block is wrapped (``wrap_forward``) in
+a ``checkpoint`` whose policy keeps the plan's ops (``save_ops``), and a region runs its blocks inside
+one checkpoint, nesting further checkpoints as its inner plan says. Nothing here measures or decides.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from torchckpt.executor import CheckpointHandle, checkpoint, save_ops, wrap_forward
+from torchckpt.planner.plan import Plan, PlannedBlock, PlannedRegion, PlanPiece
+
+__all__ = ["apply_plan", "wrap_region"]
+
+
+def apply_plan(model: nn.Module, plan: Plan) -> CheckpointHandle:
+    """Realise ``plan`` on ``model`` in place; returns the handle that undoes it.
+
+    Single blocks are wrapped in a checkpoint that keeps the plan's ops (``save_ops``). A region of
+    blocks ``a..b-1`` runs, from block ``a``'s forward, all of its blocks inside one checkpoint (the
+    inner plan applied inside), and blocks ``a+1..b-1`` pass their input through. This needs the model
+    to call its blocks as a chain (each block's first argument is the previous block's output, the
+    other arguments are shared), which the profiler checks before a plan with regions is made.
+
+    Example:
+        >>> import torchckpt
+        >>> from torchckpt.models import gpt
+        >>> model = gpt("tiny", dropout=0.0)
+        >>> batch = model.example_batch(batch_size=2, seq_len=16)
+        >>> plan = torchckpt.plan(model, batch, budget="100%")
+        >>> handle = apply_plan(model, plan)
+        >>> handle.remove()
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"apply_plan: expected a torchckpt Plan; got {type(plan).__name__} "
+                        "(make one with torchckpt.plan(model, inputs, budget=...) or Plan.load(path))")
+    plan.check_fits(model)
+    blocks = [model.get_submodule(path) for path in plan.block_paths]
+    wrapped: list[nn.Module] = []
+    for piece in plan.schedule:
+        if isinstance(piece, PlannedRegion):
+            wrap_region(piece, blocks, wrapped)
+        elif piece.recomputes:
+            block = blocks[piece.block]
+            policy = save_ops(piece.keep, name=f"plan:{plan.block_paths[piece.block]}")
+            wrap_forward(block, functools.partial(checkpoint, block.forward, policy=policy), wrapped)
+    return CheckpointHandle(wrapped)
+
+
+def _hidden(output: Any) -> Any:
+    """The hidden state a block passes on: the output itself, or its first item when it is a tuple."""
+    return output[0] if isinstance(output, tuple) and output else output
+
+
+def _run_pieces(pieces: Sequence[PlanPiece], forwards: list[Callable[..., Any]], args: tuple, kwargs: dict) -> Any:
+    """Run ``pieces`` as a chain from ``args``; nested pieces are checkpointed (Note: [nested checkpoints keep
+    nothing])."""
+    output: Any = None
+    for piece in pieces:
+        if isinstance(piece, PlannedRegion):
+            output = checkpoint(_run_pieces, piece.inner, forwards, args, kwargs)
+        elif piece.plain:
+            output = forwards[piece.block](*args, **kwargs)
+        else:
+            output = checkpoint(forwards[piece.block], *args, **kwargs)
+        args = (_hidden(output), *args[1:])
+    return output
+
+
+def wrap_region(piece: PlannedRegion, blocks: list[nn.Module], wrapped: list[nn.Module]) -> None:
+    """Wrap ``blocks[piece.start:piece.stop]`` so that they run as one checkpointed region.
+
+    Block ``start`` runs the whole region; the others pass their input through. Wrapped modules are
+    appended to ``wrapped`` (``CheckpointHandle(wrapped).remove()`` undoes it).
+
+    Example:
+        >>> blocks = [nn.Linear(2, 2), nn.Linear(2, 2)]
+        >>> inner = (PlannedBlock(block=0, plain=True), PlannedBlock(block=1, plain=True))
+        >>> wrapped: list[nn.Module] = []
+        >>> wrap_region(PlannedRegion(start=0, stop=2, inner=inner), blocks, wrapped)
+        >>> CheckpointHandle(wrapped).remove()
+    """
+    start, stop = piece.start, piece.stop
+    if stop > len(blocks):
+        raise ValueError(f"region {start}..{stop - 1} reaches past the model's {len(blocks)} blocks")
+    forwards: list[Callable[..., Any]] = [block.forward for block in blocks]
+    # What pass-through blocks must return besides the hidden state: the region output's other tuple
+    # items. Only those are kept (not the output itself, which would hold the region's graph), and the
+    # last pass-through block drops them.
+    shape_of_output: dict[str, Any] = {}
+
+    def region_forward(*args: Any, **kwargs: Any) -> Any:
+        if not args:
+            raise TypeError(f"a checkpointed region starting at block {start} needs the hidden state as the first "
+                            "positional argument; this model passes it by keyword, so plan without regions")
+        output = checkpoint(_run_pieces, piece.inner, forwards, args, kwargs)
+        shape_of_output["rest"] = tuple(output[1:]) if isinstance(output, tuple) else None
+        return output
+
+    def pass_through(*args: Any, last: bool = False, **kwargs: Any) -> Any:
+        rest = shape_of_output.pop("rest", None) if last else shape_of_output.get("rest")
+        return args[0] if rest is None else (args[0], *rest)
+
+    wrap_forward(blocks[start], region_forward, wrapped)
+    for index in range(start + 1, stop):
+        wrap_forward(blocks[index], functools.partial(pass_through, last=index == stop - 1), wrapped)

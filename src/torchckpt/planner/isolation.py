@@ -1,0 +1,89 @@
+"""Plan a model for training without changing it: parameters, buffers, train/eval mode and RNG come back.
+
+``torchckpt.plan(..., optimizer=...)`` takes real training steps (so that optimizer state exists while
+it measures). ``plan_without_side_effects`` runs those steps with a throwaway AdamW over the trainable
+parameters; afterwards every parameter and buffer is copied back from a host snapshot and the torch
+RNG streams are restored. The snapshot is NumPy memory, not tensors, so it does not count in the
+measured peaks (``MemoryMeter`` counts tensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchckpt._host import RngSnapshot, host_bytes
+from torchckpt.planner.make_plan import plan
+from torchckpt.planner.plan import Plan
+
+__all__ = ["plan_without_side_effects", "preserved_state"]
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module) -> Iterator[None]:
+    """Put back the model's parameters, buffers, mode and the torch RNG states (CPU and every initialised
+    CUDA device) when the block exits.
+
+    Example:
+        >>> layer = nn.Linear(2, 2)
+        >>> before = layer.weight.detach().clone()
+        >>> with preserved_state(layer), torch.no_grad():
+        ...     _ = layer.weight.add_(1.0)
+        >>> torch.equal(layer.weight, before)
+        True
+    """
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    saved = {name: (host_bytes(t), t.dtype, t.shape) for name, t in tensors.items()}
+    modes = {name: module.training for name, module in model.named_modules()}
+    rng = RngSnapshot.capture()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                data, dtype, shape = saved[name]
+                tensor.copy_(torch.from_numpy(data).view(dtype).view(shape))
+        for name, module in model.named_modules():
+            module.training = modes.get(name, module.training)
+        rng.restore()
+
+
+def plan_without_side_effects(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
+                              optimizer: str | None = "adamw",
+                              loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Plan:
+    """``torchckpt.plan`` in training mode, with AdamW state counted, leaving ``model`` and RNG as they were.
+
+    ``optimizer="adamw"`` reserves what AdamW will hold (two moments per trainable parameter) by
+    planning with a throwaway AdamW; ``None`` plans without optimizer state. Call it before building
+    the real optimizer, or that optimizer's state is counted as well.
+
+    Example:
+        >>> from torchckpt.models import gpt
+        >>> model = gpt("tiny")
+        >>> plan = plan_without_side_effects(model, model.example_batch(batch_size=2, seq_len=16), "100%")
+        >>> plan.predicted_extra_time_s
+        0.0
+    """
+    if optimizer not in ("adamw", None):
+        raise ValueError(f"optimizer={optimizer!r}: use 'adamw' (reserve AdamW's state) or None (no optimizer state)")
+    # Unreachable tensors in reference cycles (a model or trainer dropped earlier) are live storages until the
+    # collector runs: left there, they would count as fixed bytes while profiling, or vanish in the middle of it.
+    gc.collect()
+    with preserved_state(model):
+        model.train()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("the model has no parameter with requires_grad=True: there is nothing to train or plan")
+        throwaway = torch.optim.AdamW(trainable, lr=0.0) if optimizer == "adamw" else None
+        try:
+            return plan(model, example_inputs, budget, optimizer=throwaway, loss_fn=loss_fn)
+        finally:
+            for param in model.parameters():
+                param.grad = None
+            del throwaway

@@ -1,0 +1,280 @@
+"""The Plan: the only value that crosses from planning to execution (typed, JSON at the edge, checked on load).
+
+A plan names its blocks by module path, lists its schedule as typed pieces (:class:`PlannedBlock`,
+:class:`PlannedRegion`), and carries a fingerprint of the model and the input shapes it was made for,
+so it is refused on anything else. The solver's own pieces (``solve.Single``/``solve.Region``) point
+into per-block menus; a plan's pieces carry the decision itself (which op outputs to keep), so a plan
+needs no menu to be applied.
+
+Schedule pieces in JSON (``to_json`` / ``from_json`` only; everywhere else they are typed):
+    {"block": 3, "plain": true}                              run block 3 normally
+    {"block": 4, "plain": false, "keep": [3, 12, 28]}        checkpoint block 4, keep those ops' outputs
+    {"region": [5, 9], "inner": [ ...pieces for 5..8... ]}   checkpoint blocks 5..8 as one region
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from torchckpt._units import format_bytes
+from torchckpt.planner.blocks import structure_key
+
+__all__ = ["Plan", "PlanMismatchError", "PlanPiece", "PlannedBlock", "PlannedRegion", "fingerprint",
+           "iter_blocks"]
+
+FORMAT_VERSION = 1
+
+
+class PlanMismatchError(ValueError):
+    """A plan was applied to, or loaded for, a model or input it was not made for."""
+
+
+def _check_index(owner: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner}.{name} must be an int >= 0; got {value!r}")
+
+
+@dataclass(frozen=True)
+class PlannedBlock:
+    """One block of a plan: run plainly (``plain=True``), or checkpointed keeping the outputs of ``keep``.
+
+    ``keep`` lists op indices in the executor's numbering (``OpCosts.index``); it is empty for a plain
+    block and for one that recomputes everything.
+
+    Example:
+        >>> PlannedBlock(block=4, plain=False, keep=(3, 12)).recomputes
+        True
+    """
+
+    block: int
+    plain: bool
+    keep: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_index("PlannedBlock", "block", self.block)
+        if not isinstance(self.plain, bool):
+            raise ValueError(f"PlannedBlock.plain must be a bool; got {self.plain!r}")
+        keep = tuple(self.keep)
+        for index in keep:
+            _check_index("PlannedBlock", "keep[]", index)
+        if self.plain and keep:
+            raise ValueError(f"PlannedBlock(block={self.block}) is plain (nothing recomputed) and cannot also list "
+                             f"ops to keep ({list(keep)}); give plain=False to checkpoint it keeping those ops")
+        object.__setattr__(self, "keep", keep)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether the block runs under a checkpoint (recomputing what it does not keep)."""
+        return not self.plain
+
+
+@dataclass(frozen=True)
+class PlannedRegion:
+    """Blocks ``start .. stop-1`` checkpointed as one region whose inside runs ``inner``.
+
+    Example:
+        >>> inner = (PlannedBlock(block=0, plain=True), PlannedBlock(block=1, plain=False))
+        >>> PlannedRegion(start=0, stop=2, inner=inner).stop
+        2
+    """
+
+    start: int
+    stop: int
+    inner: tuple[PlanPiece, ...]
+
+    def __post_init__(self) -> None:
+        _check_index("PlannedRegion", "start", self.start)
+        _check_index("PlannedRegion", "stop", self.stop)
+        inner = tuple(self.inner)
+        if self.stop - self.start < 2 or not inner:
+            raise ValueError(f"PlannedRegion(start={self.start}, stop={self.stop}) must span at least 2 blocks "
+                             "(stop is exclusive) and have inner pieces")
+        covered = [piece.block for piece, _ in iter_blocks(inner)]
+        if covered != list(range(self.start, self.stop)):
+            raise ValueError(f"PlannedRegion({self.start}, {self.stop}).inner covers blocks {covered}; it must cover "
+                             f"{list(range(self.start, self.stop))} in order")
+        object.__setattr__(self, "inner", inner)
+
+
+PlanPiece = Union[PlannedBlock, PlannedRegion]
+
+
+def iter_blocks(pieces: Sequence[PlanPiece],
+                region: tuple[int, int] | None = None) -> Iterator[tuple[PlannedBlock, tuple[int, int] | None]]:
+    """Every block of ``pieces`` in forward order, with the outermost region it runs in (or None).
+
+    Example:
+        >>> inner = (PlannedBlock(block=0, plain=True), PlannedBlock(block=1, plain=True))
+        >>> [(b.block, r) for b, r in iter_blocks((PlannedRegion(start=0, stop=2, inner=inner),))]
+        [(0, (0, 2)), (1, (0, 2))]
+    """
+    for piece in pieces:
+        if isinstance(piece, PlannedRegion):
+            yield from iter_blocks(piece.inner, region or (piece.start, piece.stop))
+        else:
+            yield piece, region
+
+
+def _piece_to_json(piece: PlanPiece) -> dict[str, Any]:
+    if isinstance(piece, PlannedRegion):
+        return {"region": [piece.start, piece.stop], "inner": [_piece_to_json(p) for p in piece.inner]}
+    entry: dict[str, Any] = {"block": piece.block, "plain": piece.plain}
+    if not piece.plain:
+        entry["keep"] = list(piece.keep)
+    return entry
+
+
+def _piece_from_json(entry: Any) -> PlanPiece:
+    if not isinstance(entry, dict):
+        raise ValueError(f"a schedule piece must be a JSON object; got {entry!r}")
+    if "region" in entry:
+        start, stop = entry["region"]
+        return PlannedRegion(start=start, stop=stop, inner=tuple(_piece_from_json(p) for p in entry["inner"]))
+    return PlannedBlock(block=entry["block"], plain=entry["plain"], keep=tuple(entry.get("keep", ())))
+
+
+def fingerprint(model: nn.Module, example_inputs: tuple | dict, block_paths: list[str]) -> dict[str, Any]:
+    """What a plan must match: model structure, block paths, input shapes and dtypes.
+
+    Example:
+        >>> fp = fingerprint(nn.Linear(2, 2), (torch.ones(3, 2),), [])
+        >>> fp["inputs"]
+        [[[3, 2], 'torch.float32']]
+    """
+    digest = hashlib.sha256(repr(structure_key(model)).encode()).hexdigest()[:16]
+    inputs = [[list(t.shape), str(t.dtype)] for t in tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor)]
+    return {"model": type(model).__name__, "structure": digest, "blocks": list(block_paths), "inputs": inputs}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A checkpointing plan for one model and input shape.
+
+    Attributes:
+        budget_bytes: the budget the plan was solved for (the whole step's peak).
+        predicted_peak_bytes: the cost model's peak for this plan.
+        predicted_extra_time_s: predicted recomputation time per step.
+        schedule: typed pieces in forward order (:class:`PlannedBlock`, :class:`PlannedRegion`).
+        block_paths: module path of each block, in forward order.
+        fingerprint: see :func:`fingerprint`.
+        reference: named reference figures (e.g. ``no_checkpointing_peak_bytes``, ``step_time_s``).
+    """
+
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_extra_time_s: float
+    schedule: tuple[PlanPiece, ...]
+    block_paths: tuple[str, ...]
+    fingerprint: dict[str, Any]
+    reference: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        schedule = tuple(self.schedule)
+        wrong = [piece for piece in schedule if not isinstance(piece, (PlannedBlock, PlannedRegion))]
+        if wrong:
+            raise TypeError(f"Plan.schedule holds PlannedBlock/PlannedRegion pieces; got {type(wrong[0]).__name__} "
+                            f"{wrong[0]!r} (JSON pieces are read with Plan.from_json)")
+        object.__setattr__(self, "schedule", schedule)
+
+    # ------------------------------------------------------------------ views
+    def decisions(self) -> list[dict[str, Any]]:
+        """One entry per block: ``{"block", "path", "decision", "region"}`` in forward order.
+
+        Example:
+            >>> plan = Plan(budget_bytes=1, predicted_peak_bytes=1, predicted_extra_time_s=0.0,
+            ...             schedule=(PlannedBlock(block=0, plain=True),), block_paths=("blocks.0",), fingerprint={})
+            >>> plan.decisions()[0]["decision"]
+            'keep all'
+        """
+        rows: list[dict[str, Any]] = []
+        for piece, region in iter_blocks(self.schedule):
+            index = piece.block
+            if piece.plain:
+                decision = "keep all"
+            elif piece.keep:
+                decision = f"recompute, keep {len(piece.keep)} ops"
+            else:
+                decision = "recompute all"
+            rows.append({"block": index, "path": self.block_paths[index], "decision": decision, "region": region})
+        return rows
+
+    def table(self) -> str:
+        """The plan as a table: per block its decision and region, then the predictions."""
+        lines = [f"{'block':<6} {'module':<28} {'decision':<28} region"]
+        for row in self.decisions():
+            region = f"blocks {row['region'][0]}-{row['region'][1] - 1} recomputed together" if row["region"] else ""
+            lines.append(f"{row['block']:<6} {row['path']:<28} {row['decision']:<28} {region}")
+        lines.append(f"budget {format_bytes(self.budget_bytes)}; predicted peak {format_bytes(self.predicted_peak_bytes)}; "
+                     f"predicted extra time {self.predicted_extra_time_s * 1e3:.1f} ms per step")
+        reference = self.reference.get("no_checkpointing_peak_bytes")
+        if reference:
+            lines.append(f"no checkpointing would peak at {format_bytes(reference)} "
+                         f"({self.predicted_peak_bytes / reference:.0%} of it)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    # ------------------------------------------------------------------ checks and I/O
+    def check_fits(self, model: nn.Module, example_inputs: tuple | dict | None = None) -> None:
+        """Raise :class:`PlanMismatchError` naming what differs if this plan was made for something else."""
+        found = fingerprint(model, example_inputs if example_inputs is not None else (), list(self.block_paths))
+        for key in ("model", "structure", "blocks") + (("inputs",) if example_inputs is not None else ()):
+            if found[key] != self.fingerprint.get(key):
+                raise PlanMismatchError(
+                    f"this plan was made for a different {key}: the plan has {self.fingerprint.get(key)!r}, the model "
+                    f"and inputs given have {found[key]!r}; make a new plan with torchckpt.plan(model, inputs, budget=...)")
+
+    def to_json(self) -> str:
+        """JSON text (round-trips exactly through :meth:`from_json`)."""
+        payload = {"format": "torchckpt.plan", "version": FORMAT_VERSION, "budget_bytes": self.budget_bytes,
+                   "predicted_peak_bytes": self.predicted_peak_bytes,
+                   "predicted_extra_time_s": self.predicted_extra_time_s,
+                   "schedule": [_piece_to_json(piece) for piece in self.schedule],
+                   "block_paths": list(self.block_paths), "fingerprint": self.fingerprint,
+                   "reference": self.reference}
+        return json.dumps(payload, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Parse a plan; errors name the problem (not a plan, a newer version)."""
+        try:
+            payload = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not a torchckpt plan: invalid JSON ({error})") from None
+        if not isinstance(payload, dict) or payload.get("format") != "torchckpt.plan":
+            raise ValueError("not a torchckpt plan: the JSON has no \"format\": \"torchckpt.plan\" field")
+        if payload.get("version") != FORMAT_VERSION:
+            raise ValueError(f"plan format version {payload.get('version')!r} is not supported by this torchckpt "
+                             f"(reads version {FORMAT_VERSION}); re-create the plan")
+        try:
+            return cls(budget_bytes=payload["budget_bytes"], predicted_peak_bytes=payload["predicted_peak_bytes"],
+                       predicted_extra_time_s=payload["predicted_extra_time_s"],
+                       schedule=tuple(_piece_from_json(entry) for entry in payload["schedule"]),
+                       block_paths=tuple(payload["block_paths"]), fingerprint=payload["fingerprint"],
+                       reference=payload.get("reference", {}))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"not a complete torchckpt plan: missing or malformed field {error}; re-create the "
+                             "plan with torchckpt.plan(...)") from None
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON."""
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path, model: nn.Module | None = None, example_inputs: tuple | dict | None = None) -> Plan:
+        """Read a plan; with ``model`` (and inputs) given, refuse it unless it fits them."""
+        plan = cls.from_json(Path(path).read_text())
+        if model is not None:
+            plan.check_fits(model, example_inputs)
+        return plan
+

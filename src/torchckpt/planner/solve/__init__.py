@@ -1,0 +1,28 @@
+"""The planner's solver: pure Python + numpy, never imports torch (DESIGN.md, "The planner's model").
+
+``block_menu`` gives each block's selective-checkpointing options, ``evaluate`` predicts a schedule's
+peak and extra time under the rules of ``torchckpt.planner.costs``, ``solve`` finds the fastest schedule
+within a budget (single blocks with menu options and nested regions), ``floor_bytes`` the least peak.
+"""
+
+from torchckpt.planner.solve._types import InfeasibleBudgetError, MenuOption, Piece, Region, Single, Solution
+from torchckpt.planner.solve.chain_dp import DEFAULT_MEMORY_SLOTS, solve, solve_budgets
+from torchckpt.planner.solve.evaluate import evaluate
+from torchckpt.planner.solve.floor import floor_bytes
+from torchckpt.planner.solve.menu import MENU_MAX_OPTIONS, block_menu
+
+__all__ = [
+    "DEFAULT_MEMORY_SLOTS",
+    "InfeasibleBudgetError",
+    "MENU_MAX_OPTIONS",
+    "MenuOption",
+    "Piece",
+    "Region",
+    "Single",
+    "Solution",
+    "block_menu",
+    "evaluate",
+    "floor_bytes",
+    "solve_budgets",
+    "solve",
+]

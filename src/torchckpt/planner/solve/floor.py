@@ -1,0 +1,132 @@
+"""The floor: the smallest predicted peak any schedule reaches, computed exactly (integer bytes).
+
+A chain's peak above its context is ``max(need of its first piece, held by it + peak of the rest)``
+(rules 5 and 6), monotone in the rest's peak, so the least peak decomposes: with ``P(s, t)`` the least
+peak of blocks ``s..t-1`` as the inside of a region and ``Q(s)`` that of the top-level rest from ``s``
+(whose end adds the forward-end term of rule 4, ``Q(n) = head_bytes - y_{n-1}``),
+
+    P(s, t) = min over first pieces  max(need, held + P(next, t)),   P(t, t) = 0
+    Q(s)    = min over first pieces  max(need, held + Q(next))
+
+where a region piece ``[s, v)`` needs ``max(its forward, region context + P(s, v))`` (the region context is
+``Chain.region_context_bytes(s)``: ``region_recompute_bytes``, plus ``x_s`` when rule 3 needs it and
+block ``s``'s ``freed_side_input_bytes``).
+The floor is ``fixed_bytes + y_{n-1} + Q(0)``. O(n^3) with numpy over the split point.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from torchckpt.planner.costs import ChainCosts
+from torchckpt.planner.solve._chain import Chain
+from torchckpt.planner.solve._types import Piece, Region, Single
+
+__all__ = ["floor_bytes"]
+
+_BIG = np.iinfo(np.int64).max // 4
+
+
+def _inner_options(chain: Chain, block: int) -> tuple[int, ...]:
+    return (0, len(chain.menus[block]) - 1)
+
+
+def _inside_table(chain: Chain, region_forward: np.ndarray) -> np.ndarray:
+    """``P[t, s]``: least peak of blocks s..t-1 as a region's inside, above its context."""
+    n = chain.n
+    peak = np.full((n + 1, n + 1), _BIG, dtype=np.int64)
+    for t in range(1, n + 1):
+        peak[t, t] = 0
+        gradient = chain.gradient_inside(t)
+        for s in range(t - 1, -1, -1):
+            best = _BIG
+            for k in _inner_options(chain, s):
+                option = chain.menus[s][k]
+                best = min(best, max(chain.single_need_bytes(s, option, gradient),
+                                     chain.held_bytes(s, option) + int(peak[t, s + 1])))
+            if t - s >= 3:
+                v = np.arange(s + 2, t)
+                context = chain.region_context_bytes(s)
+                cand = np.maximum(np.maximum(region_forward[s, v] + gradient, context + peak[v, s]),
+                                  chain.region_held_bytes(s) + peak[t, v])
+                best = min(best, int(cand.min()))
+            peak[t, s] = best
+    return peak
+
+
+def _top_table(chain: Chain, inside: np.ndarray | None, region_forward: np.ndarray) -> tuple[list[int], list]:
+    """``Q[s]`` and the first piece reaching it (options in menu order, then regions by length; first wins)."""
+    n, costs = chain.n, chain.costs
+    top = [0] * (n + 1)
+    choice: list = [None] * (n + 1)
+    top[n] = costs.head_bytes - costs.blocks[-1].output_bytes
+    for s in range(n - 1, -1, -1):
+        best, pick = None, None
+        for k, option in enumerate(chain.menus[s]):
+            value = max(chain.single_need_bytes(s, option, 0), chain.held_bytes(s, option) + top[s + 1])
+            if best is None or value < best:
+                best, pick = value, ("single", k)
+        if inside is not None:
+            for v in range(s + 2, n + 1):
+                value = max(int(region_forward[s, v]), chain.region_context_bytes(s) + int(inside[v, s]),
+                            chain.region_held_bytes(s) + top[v])
+                if value < best:
+                    best, pick = value, ("region", v)
+        top[s], choice[s] = best, pick
+    return top, choice
+
+
+def _inside_plan(chain: Chain, inside: np.ndarray, region_forward: np.ndarray, s: int, t: int) -> tuple[Piece, ...]:
+    """Rebuild a least-peak inside of ``[s, t)`` from ``P`` (first piece reaching the value, in order)."""
+    pieces: list[Piece] = []
+    gradient = chain.gradient_inside(t)
+    while s < t:
+        target = int(inside[t, s])
+        picked = None
+        for k in _inner_options(chain, s):
+            option = chain.menus[s][k]
+            if max(chain.single_need_bytes(s, option, gradient),
+                   chain.held_bytes(s, option) + int(inside[t, s + 1])) == target:
+                picked = (Single(block=s, option=k), s + 1)
+                break
+        for v in range(s + 2, t) if picked is None else ():
+            value = max(int(region_forward[s, v]) + gradient, chain.region_context_bytes(s) + int(inside[v, s]),
+                        chain.region_held_bytes(s) + int(inside[t, v]))
+            if value == target:
+                picked = (Region(s, v, _inside_plan(chain, inside, region_forward, s, v)), v)
+                break
+        assert picked is not None, "floor reconstruction lost its path"
+        pieces.append(picked[0])
+        s = picked[1]
+    return tuple(pieces)
+
+
+def min_peak_schedule(chain: Chain, *, allow_regions: bool = True) -> tuple[int, tuple[Piece, ...]]:
+    """The floor and one schedule reaching it."""
+    region_forward = chain.region_forward_table()
+    inside = _inside_table(chain, region_forward) if allow_regions and chain.costs.chain and chain.n >= 2 else None
+    top, choice = _top_table(chain, inside, region_forward)
+    pieces: list[Piece] = []
+    s = 0
+    while s < chain.n:
+        kind, value = choice[s]
+        if kind == "single":
+            pieces.append(Single(block=s, option=value))
+            s += 1
+        else:
+            pieces.append(Region(s, value, _inside_plan(chain, inside, region_forward, s, value)))
+            s = value
+    return chain.top_context_bytes + top[0], tuple(pieces)
+
+
+def floor_bytes(costs: ChainCosts, *, allow_regions: bool = True) -> int:
+    """The smallest predicted peak over all schedules (``solve`` raises below it, never at or above it).
+
+    Example:
+        >>> from torchckpt.planner.costs import BlockCosts
+        >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
+        >>> floor_bytes(ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block,) * 4))
+        124
+    """
+    floor, _ = min_peak_schedule(Chain.of(costs), allow_regions=allow_regions)
+    return floor
