@@ -25,9 +25,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from torchckpt.memory import MemoryMeter
-from torchckpt.loops.runner import LoopStats, checkpointed_loop
 from torchckpt.loops.revolve import optimal_step_evaluations
+from torchckpt.loops.runner import LoopStats, checkpointed_loop
+from torchckpt.memory import MemoryMeter
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

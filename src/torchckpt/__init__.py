@@ -18,13 +18,12 @@ state error, ``list_checkpoints``, ``verify_checkpoint``, import/export), ``memo
 
 from torchckpt import executor, loops, memory, models, planner, state
 from torchckpt._version import __version__
-from torchckpt.executor import checkpoint, checkpoint_modules, checkpoint_sequential, saved_residuals, tag
-from torchckpt.executor import policies
+from torchckpt.executor import checkpoint, checkpoint_modules, checkpoint_sequential, policies, saved_residuals, tag
 from torchckpt.loops import checkpointed_loop, checkpointed_while
 from torchckpt.memory import MemoryMeter
 from torchckpt.planner import InfeasibleBudgetError, Plan, frontier, plan, verify_plan
 from torchckpt.planner import apply_plan as apply
-from torchckpt.state import CheckpointError, Checkpointer
+from torchckpt.state import Checkpointer, CheckpointError
 
 __all__ = [
     "__version__",

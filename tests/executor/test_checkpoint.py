@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchckpt.memory import MemoryMeter
 from torchckpt.executor import (
-    RematError,
     RecomputationMismatchError,
+    RematError,
     checkpoint,
     checkpoint_modules,
     checkpoint_sequential,
     tag,
 )
+from torchckpt.memory import MemoryMeter
 
 
 def _block(width: int = 16, dropout: float = 0.25) -> torch.nn.Module:

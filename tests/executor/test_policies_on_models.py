@@ -7,8 +7,6 @@ import copy
 import pytest
 import torch
 
-from torchckpt.memory import MemoryMeter
-from torchckpt.models import block_modules, gpt, mlp, unet
 from torchckpt.executor import (
     POLICIES,
     checkpoint_modules,
@@ -17,6 +15,8 @@ from torchckpt.executor import (
     save_only_these_names,
     saved_residuals,
 )
+from torchckpt.memory import MemoryMeter
+from torchckpt.models import block_modules, gpt, mlp, unet
 
 _POLICIES = {
     **POLICIES,

@@ -10,9 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchckpt.memory import MemoryMeter
 from torchckpt.executor.checkpoint import RecomputationMismatchError, RematError
-from torchckpt.loops.runner import LoopStats, checkpointed_loop, checkpointed_while
 from torchckpt.loops.online import online_held_states
 from torchckpt.loops.revolve import (
     binomial_max_steps,
@@ -20,6 +18,8 @@ from torchckpt.loops.revolve import (
     optimal_step_evaluations,
     revolve_schedule,
 )
+from torchckpt.loops.runner import LoopStats, checkpointed_loop, checkpointed_while
+from torchckpt.memory import MemoryMeter
 
 WIDTH = 6
 

@@ -15,8 +15,8 @@ import pytest
 from torchckpt.loops.online import OnlinePlacement, online_held_states
 from torchckpt.loops.revolve import (
     Action,
-    RevolveScheduler,
     RevolveSchedule,
+    RevolveScheduler,
     binomial_max_steps,
     online_schedule,
     optimal_advances,

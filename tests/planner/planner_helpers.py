@@ -7,8 +7,8 @@ from torch import nn
 import torchckpt
 from torchckpt.planner import solve as solver
 from torchckpt.planner.costs import ChainCosts
-from torchckpt.planner.plan import fingerprint
 from torchckpt.planner.make_plan import plan_pieces
+from torchckpt.planner.plan import fingerprint
 
 
 def prediction_error(model: nn.Module, batch: tuple, costs: ChainCosts, schedule: tuple) -> int:

@@ -12,8 +12,8 @@ import torchckpt
 from torchckpt.models import gpt, unet
 from torchckpt.planner import solve as solver
 from torchckpt.planner.frontier import frontier_from_costs
-from torchckpt.planner.plan import fingerprint
 from torchckpt.planner.make_plan import plan_from_costs
+from torchckpt.planner.plan import fingerprint
 from torchckpt.planner.profile import profile
 
 

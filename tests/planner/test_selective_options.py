@@ -15,12 +15,12 @@ import pytest
 import torch
 from planner_helpers import prediction_error
 
+from torchckpt.executor.checkpoint import checkpoint
+from torchckpt.executor.policies import save_ops
 from torchckpt.memory import MemoryMeter
 from torchckpt.models import gpt
 from torchckpt.planner import solve as solver
-from torchckpt.executor.checkpoint import checkpoint
 from torchckpt.planner.costs import ChainCosts
-from torchckpt.executor.policies import save_ops
 from torchckpt.planner.profile import profile
 
 BATCH, TOKENS = 4, 64

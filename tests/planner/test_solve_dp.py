@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
@@ -16,10 +16,9 @@ from torchckpt.planner.solve import (
     block_menu,
     evaluate,
     floor_bytes,
-    solve_budgets,
     solve,
+    solve_budgets,
 )
-
 
 # --------------------------------------------------------------------------- exhaustive references
 
@@ -29,7 +28,7 @@ def all_schedules(costs: ChainCosts) -> list[tuple]:
     menus = [block_menu(b) for b in costs.blocks]
     n = len(menus)
 
-    @lru_cache(maxsize=None)
+    @cache
     def plans(s: int, t: int, enclosing: tuple[int, int] | None) -> tuple[tuple, ...]:
         if s == t:
             return ((),)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from torchckpt._units import format_bytes
+from torchckpt.executor import PolicyLike, checkpoint_modules
 from torchckpt.memory import MemoryMeter
 from torchckpt.models import GPT, gpt
-from torchckpt.executor import PolicyLike, checkpoint_modules
 
 _METHODS: tuple[tuple[str, PolicyLike | str], ...] = (
     ("no checkpointing", "none"),

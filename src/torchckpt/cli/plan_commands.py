@@ -12,7 +12,14 @@ from torchckpt.models import MODELS, BatchShape, load_model
 def _profiled(args: argparse.Namespace, action: str) -> Any:
     from rich.console import Console
 
-    from torchckpt.planner import block_paths, fingerprint, frontier_from_costs, plan_from_costs, profile, resolve_blocks
+    from torchckpt.planner import (
+        block_paths,
+        fingerprint,
+        frontier_from_costs,
+        plan_from_costs,
+        profile,
+        resolve_blocks,
+    )
 
     console = Console(stderr=True)
     shape = BatchShape(batch_size=args.batch_size, seq_len=args.seq_len, image_size=args.image_size)

@@ -48,9 +48,9 @@ from torchckpt.executor.policies import (
     OpInfo,
     Policy,
     PolicyLike,
-    op_name,
     everything_saveable,
     nothing_saveable,
+    op_name,
     resolve_policy,
 )
 

@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from torchckpt._units import format_bytes
-from torchckpt.executor.checkpoint import function_name, CheckpointRecord, run_recorded
-from torchckpt.executor.policies import PolicyLike, op_name, everything_saveable, resolve_policy
+from torchckpt.executor.checkpoint import CheckpointRecord, function_name, run_recorded
+from torchckpt.executor.policies import PolicyLike, everything_saveable, op_name, resolve_policy
 
 __all__ = ["Residual", "SavedResiduals", "saved_residuals"]
 

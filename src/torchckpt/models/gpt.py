@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchckpt.models._config import check_config, sized_config
 from torchckpt.executor.policies import tag
+from torchckpt.models._config import check_config, sized_config
 
 __all__ = ["GPTConfig", "GPT", "gpt", "GPT_SIZES"]
 

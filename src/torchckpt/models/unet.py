@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchckpt.models._config import check_config, sized_config
 from torchckpt.executor.policies import tag
+from torchckpt.models._config import check_config, sized_config
 
 __all__ = ["UNetConfig", "UNet", "unet", "UNET_SIZES"]
 

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from torchckpt.executor import CheckpointHandle, checkpoint, save_ops, wrap_forward
-from torchckpt.planner.plan import Plan, PlannedBlock, PlannedRegion, PlanPiece
+from torchckpt.planner.plan import Plan, PlannedRegion, PlanPiece
 
 __all__ = ["apply_plan", "wrap_region"]
 

@@ -18,8 +18,8 @@ from torch import nn
 
 from torchckpt._units import format_bytes
 from torchckpt.planner import solve as solver
-from torchckpt.planner.costs import ChainCosts
 from torchckpt.planner.blocks import block_paths, resolve_blocks
+from torchckpt.planner.costs import ChainCosts
 from torchckpt.planner.make_plan import no_checkpointing_schedule, plan_from_costs
 from torchckpt.planner.plan import Plan, fingerprint
 from torchckpt.planner.profile import profile

@@ -15,8 +15,8 @@ from torch import nn
 
 from torchckpt._units import parse_bytes, parse_percent
 from torchckpt.planner import solve as solver
-from torchckpt.planner.costs import ChainCosts
 from torchckpt.planner.blocks import block_paths, resolve_blocks
+from torchckpt.planner.costs import ChainCosts
 from torchckpt.planner.plan import Plan, PlannedBlock, PlannedRegion, PlanPiece, fingerprint
 from torchckpt.planner.profile import profile
 

@@ -24,7 +24,7 @@ from torchckpt.planner.apply import apply_plan
 from torchckpt.planner.plan import Plan
 from torchckpt.planner.runner import StepRunner
 
-__all__ = ["VerifyReport", "verify"]
+__all__ = ["VerifyReport", "verify_plan"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,7 @@
 
 After Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova, "Optimal checkpointing for heterogeneous
 chains" (Rotor, 2019), with per-block selective menus at the top level; on a homogeneous chain it
-reduces to Griewank & Walther's binomial Revolve (tests/remat/test_solve_dp.py checks the counts).
+reduces to Griewank & Walther's binomial Revolve (tests/planner/test_solve_dp.py checks the counts).
 
 Budgets ``m`` are bytes left above the context ``C + H`` of a chain, on a grid of step ``q``:
 
@@ -42,7 +42,7 @@ from torchckpt.planner.solve._types import InfeasibleBudgetError, Piece, Region,
 from torchckpt.planner.solve.evaluate import _evaluate
 from torchckpt.planner.solve.floor import min_peak_schedule
 
-__all__ = ["DEFAULT_MEMORY_SLOTS", "solve", "frontier"]
+__all__ = ["DEFAULT_MEMORY_SLOTS", "solve", "solve_budgets"]
 
 DEFAULT_MEMORY_SLOTS = 500
 _MAX_TABLE_FLOATS = 2**25
