@@ -39,13 +39,13 @@ from typing import Any
 
 import torch
 
-from torchckpt._units import parse_bytes
+from torchckpt._host import RngSnapshot
+from torchckpt._units import check_positive_int, parse_bytes
 from torchckpt.executor.checkpoint import RecomputationMismatchError, RematError
+from torchckpt.loops.carry import AutocastState, Carry, CarryLayout, CarrySnapshot
 from torchckpt.loops.revolve import Action, RevolveScheduler
 
 __all__ = ["LoopStats", "checkpointed_loop", "checkpointed_while"]
-
-Carry = Any  # a tensor, or tuples / lists / dicts / namedtuples of tensors
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -89,96 +89,6 @@ class LoopStats:
         return [str(a) for a in self.actions]
 
 
-# --------------------------------------------------------------------------- carry structure
-
-
-def _flatten(tree: Carry, path: str, leaves: list[torch.Tensor], paths: list[str]) -> Any:
-    """Append the tensors of ``tree`` to ``leaves``; return a hashable description of its structure."""
-    if isinstance(tree, torch.Tensor):
-        leaves.append(tree)
-        paths.append(path)
-        return None
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return (type(tree), tuple(_flatten(getattr(tree, f), f"{path}.{f}", leaves, paths) for f in tree._fields))
-    if isinstance(tree, (tuple, list)):
-        return (type(tree), tuple(_flatten(v, f"{path}[{i}]", leaves, paths) for i, v in enumerate(tree)))
-    if isinstance(tree, dict):
-        keys = tuple(tree)
-        return (dict, keys, tuple(_flatten(tree[k], f"{path}[{k!r}]", leaves, paths) for k in keys))
-    raise TypeError(
-        f"{path} is a {type(tree).__name__}; a carry may hold only tensors, in tuples, lists, dicts and "
-        f"namedtuples. Make it a tensor, or close over it in step_fn instead of carrying it."
-    )
-
-
-def _unflatten(spec: Any, leaves: Iterator[torch.Tensor]) -> Carry:
-    if spec is None:
-        return next(leaves)
-    if spec[0] is dict:
-        return {k: _unflatten(s, leaves) for k, s in zip(spec[1], spec[2])}
-    kind, children = spec
-    values = [_unflatten(s, leaves) for s in children]
-    if hasattr(kind, "_fields"):
-        return kind(*values)
-    return kind(values)
-
-
-@dataclasses.dataclass(frozen=True)
-class _CarryLayout:
-    """Structure, paths and (shape, dtype, device) of every leaf: what every step must keep."""
-
-    spec: Any
-    paths: tuple[str, ...]
-    metas: tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]
-
-    @staticmethod
-    def of(carry: Carry) -> tuple[_CarryLayout, list[torch.Tensor]]:
-        leaves: list[torch.Tensor] = []
-        paths: list[str] = []
-        spec = _flatten(carry, "carry", leaves, paths)
-        if not leaves:
-            raise ValueError("the carry holds no tensors; a checkpointed loop needs at least one tensor.")
-        metas = tuple((tuple(t.shape), t.dtype, t.device) for t in leaves)
-        return _CarryLayout(spec, tuple(paths), metas), leaves
-
-    def leaves_of(self, carry: Carry, step: int) -> list[torch.Tensor]:
-        """Flatten a carry returned by step ``step``, checking it matches the initial carry."""
-        layout, leaves = _CarryLayout.of(carry)
-        if layout.spec != self.spec:
-            raise ValueError(
-                f"step_fn changed the carry's structure at step {step}: it received leaves "
-                f"{list(self.paths)} and returned {list(layout.paths)}. step_fn must return the same "
-                f"structure (same containers, keys and number of tensors) that it receives."
-            )
-        for path, old, new in zip(self.paths, self.metas, layout.metas):
-            if old != new:
-                raise ValueError(
-                    f"step_fn changed {path} at step {step}: shape {old[0]}, dtype {old[1]}, device "
-                    f"{old[2]} became shape {new[0]}, dtype {new[1]}, device {new[2]}. A checkpointed "
-                    f"loop stores carries of one fixed size, so every step must keep shapes, dtypes and "
-                    f"devices; pad or cast inside step_fn."
-                )
-        return leaves
-
-    def build(self, leaves: Sequence[torch.Tensor]) -> Carry:
-        return _unflatten(self.spec, iter(leaves))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(_numel(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype, _ in self.metas)
-
-    @property
-    def cuda_devices(self) -> tuple[torch.device, ...]:
-        return tuple(sorted({d for _, _, d in self.metas if d.type == "cuda"}, key=str))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
-
-
 # --------------------------------------------------------------------------- checkpoint count
 
 
@@ -210,51 +120,6 @@ def _check_count(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be >= 1; got {name}={value}.")
 
 
-# --------------------------------------------------------------------------- RNG
-
-
-@dataclasses.dataclass(frozen=True)
-class _RngState:
-    cpu: torch.Tensor
-    cuda: tuple[tuple[torch.device, torch.Tensor], ...]
-
-    @staticmethod
-    def capture(devices: tuple[torch.device, ...]) -> _RngState:
-        return _RngState(torch.get_rng_state(), tuple((d, torch.cuda.get_rng_state(d)) for d in devices))
-
-    def apply(self) -> None:
-        torch.set_rng_state(self.cpu)
-        for device, state in self.cuda:
-            torch.cuda.set_rng_state(state, device)
-
-
-@dataclasses.dataclass(frozen=True)
-class _AutocastState:
-    """Autocast settings of the forward pass, re-entered for every recomputation (rule 4)."""
-
-    enabled: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) of each enabled autocast
-
-    @staticmethod
-    def capture() -> _AutocastState:
-        device_types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-        return _AutocastState(
-            tuple((d, torch.get_autocast_dtype(d)) for d in device_types if torch.is_autocast_enabled(d))
-        )
-
-    def enter(self, stack: contextlib.ExitStack) -> None:
-        for device_type, dtype in self.enabled:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Snapshot:
-    """A stored carry x_i: detached aliases, their version counters, and the RNG state before step i+1."""
-
-    leaves: tuple[torch.Tensor, ...]
-    versions: tuple[int, ...]
-    rng: _RngState | None
-
-
 class _SavedSlot:
     """What autograd holds for one tensor saved inside a step (rule 2)."""
 
@@ -276,7 +141,7 @@ class _LoopRunner:
     def __init__(
         self,
         step_fn: Callable[[Carry], Carry],
-        layout: _CarryLayout,
+        layout: CarryLayout,
         planner: RevolveScheduler,
         preserve_rng_state: bool,
         stats: LoopStats,
@@ -287,13 +152,13 @@ class _LoopRunner:
         self.preserve_rng_state = preserve_rng_state
         self.stats = stats
         self.current: list[torch.Tensor] = []
-        self.store: dict[int, _Snapshot] = {}
+        self.store: dict[int, CarrySnapshot] = {}
         self.requires_grad: list[tuple[bool, ...]] = []  # of x_{i}, as in the forward pass
         self.saved_counts: list[int] = []  # tensors saved by step i+1 in the forward pass
         self.newest_slots: list[_SavedSlot] = []
-        self.held_back: tuple[int, _Snapshot] | None = None  # the carry before the live one (rule 4)
+        self.held_back: tuple[int, CarrySnapshot] | None = None  # the carry before the live one (rule 4)
         self.recomputed: tuple[int, list[torch.Tensor | None]] | None = None
-        self.autocast = _AutocastState.capture()
+        self.autocast = AutocastState.capture()
 
     # ----------------------------------------------------------------- actions
     def execute(self, actions: list[Action], forward: bool) -> None:
@@ -315,11 +180,11 @@ class _LoopRunner:
             else:
                 self._tape_step(action.stop)
 
-    def _snapshot(self) -> _Snapshot:
+    def _snapshot(self) -> CarrySnapshot:
         """The live carry, with the RNG state before the next step."""
         leaves = tuple(t.detach() for t in self.current)
-        rng = _RngState.capture(self.layout.cuda_devices) if self.preserve_rng_state else None
-        return _Snapshot(leaves, tuple(t._version for t in leaves), rng)
+        rng = RngSnapshot.capture() if self.preserve_rng_state else None
+        return CarrySnapshot(leaves, tuple(t._version for t in leaves), rng)
 
     def _restore(self, index: int) -> None:
         snapshot = self.store[index]
@@ -332,7 +197,7 @@ class _LoopRunner:
                 )
         self.current = list(snapshot.leaves)
         if snapshot.rng is not None:
-            snapshot.rng.apply()
+            snapshot.rng.restore()
 
     # ----------------------------------------------------------------- forward pass (rules 1, 2)
     def forward_step(self, step: int) -> list[torch.Tensor]:
@@ -381,14 +246,14 @@ class _LoopRunner:
 
     def _serve(self, step: int) -> None:
         self.recomputed = None
-        caller_rng = _RngState.capture(self.layout.cuda_devices) if self.preserve_rng_state else None
+        caller_rng = RngSnapshot.capture() if self.preserve_rng_state else None
         try:
             with contextlib.ExitStack() as stack:
                 self.autocast.enter(stack)
                 self.execute(self.planner.request(step), forward=False)
         finally:
             if caller_rng is not None:
-                caller_rng.apply()
+                caller_rng.restore()
 
     def _advance_step(self, step: int) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -424,8 +289,8 @@ class _LoopRunner:
 
 def _prepare(
     carry: Carry, checkpoints: int | None, budget_bytes: int | str | None, stats: LoopStats | None
-) -> tuple[_CarryLayout, list[torch.Tensor], int, LoopStats]:
-    layout, leaves = _CarryLayout.of(carry)
+) -> tuple[CarryLayout, list[torch.Tensor], int, LoopStats]:
+    layout, leaves = CarryLayout.of(carry)
     count = _resolve_checkpoints(checkpoints, budget_bytes, layout.nbytes)
     stats = stats if stats is not None else LoopStats(record_actions=False)  # counts only: no O(steps) list
     stats.checkpoints, stats.carry_bytes, stats.step_evaluations, stats.actions[:] = count, layout.nbytes, 0, []
@@ -482,7 +347,7 @@ def checkpointed_loop(
 
 
 def _plain_loop(
-    step_fn: Callable[[Carry], Carry], layout: _CarryLayout, leaves: list[torch.Tensor], steps: int, stats: LoopStats
+    step_fn: Callable[[Carry], Carry], layout: CarryLayout, leaves: list[torch.Tensor], steps: int, stats: LoopStats
 ) -> Carry:
     """Without grad there is nothing to store: run the steps (still checking the carry)."""
     for step in range(1, steps + 1):
