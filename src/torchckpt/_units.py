@@ -1,7 +1,8 @@
-"""Sizes are parsed and printed in one place.
+"""Sizes are parsed and printed in one place, and counts are checked in one place.
 
 ``parse_bytes`` accepts ints and strings with decimal (kB, MB, GB, TB) or binary (KiB, MiB, GiB, TiB)
-units; percentages are left to callers that know what they are a percentage of.
+units; percentages are left to callers that know what they are a percentage of. ``check_positive_int``
+is the one check for options that must be a count >= 1.
 """
 
 from __future__ import annotations
@@ -21,6 +22,30 @@ _UNITS: dict[str, int] = {
     "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """Return ``value`` if it is an int >= 1; otherwise raise, naming the option, the value and the fix.
+
+    Raises TypeError for anything but an int (bools included) and ValueError for ints below 1.
+
+    Args:
+        name: the option as the caller wrote it (``"steps"``, ``"GPTConfig.n_layer"``, ``"--threads"``).
+        value: the value given.
+
+    Example:
+        >>> check_positive_int("steps", 3)
+        3
+        >>> check_positive_int("steps", 0)
+        Traceback (most recent call last):
+        ValueError: steps must be >= 1; got steps=0. Pass a positive count.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 1; got {value!r} of type {type(value).__name__}. "
+                        f"Pass a whole number such as {name}=1.")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1; got {name}={value}. Pass a positive count.")
+    return value
 
 
 def parse_bytes(size: int | str, *, option: str = "size") -> int:

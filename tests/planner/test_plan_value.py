@@ -146,3 +146,23 @@ def test_blocks_given_out_of_forward_order_are_refused() -> None:
     model = gpt("tiny", dropout=0.0)
     with pytest.raises(ValueError, match=r"order \[1, 0\].*forward order"):
         profile(model, model.example_batch(batch_size=2, seq_len=8), blocks=[model.blocks[1], model.blocks[0]])
+
+
+def test_plan_pieces_are_typed_and_checked() -> None:
+    with pytest.raises(TypeError, match="Plan.schedule holds PlannedBlock/PlannedRegion pieces; got dict"):
+        Plan(budget_bytes=1, predicted_peak_bytes=1, predicted_extra_time_s=0.0, schedule=({"block": 0, "plain": True},),
+             block_paths=("blocks.0",), fingerprint={})
+    with pytest.raises(ValueError, match=r"inner covers blocks \[0, 2\]; it must cover \[0, 1\]"):
+        PlannedRegion(start=0, stop=2, inner=(PlannedBlock(block=0, plain=True), PlannedBlock(block=2, plain=True)))
+    with pytest.raises(ValueError, match="is plain .* and cannot also list ops to keep"):
+        PlannedBlock(block=0, plain=True, keep=(1,))
+    with pytest.raises(ValueError, match="PlannedBlock.block must be an int >= 0; got -1"):
+        PlannedBlock(block=-1, plain=True)
+
+
+def test_malformed_json_pieces_are_refused_by_name(tmp_path) -> None:  # noqa: ANN001
+    model = gpt("mini")
+    batch = model.example_batch(batch_size=2, seq_len=8)
+    text = _plan_for(model, batch).to_json().replace('"plain": false', '"plain": "no"')
+    with pytest.raises(ValueError, match="not a complete torchckpt plan: .*PlannedBlock.plain must be a bool"):
+        Plan.from_json(text)

@@ -53,7 +53,15 @@ def _unflatten(spec: Any, leaves: Iterator[torch.Tensor]) -> Carry:
 
 @dataclasses.dataclass(frozen=True)
 class CarryLayout:
-    """Structure, paths and (shape, dtype, device) of every leaf: what every step must keep."""
+    """Structure, paths and (shape, dtype, device) of every leaf: what every step must keep.
+
+    Example:
+        >>> layout, leaves = CarryLayout.of({"h": torch.zeros(2, 3), "c": (torch.ones(2),)})
+        >>> layout.paths, layout.nbytes
+        (("carry['h']", "carry['c'][0]"), 32)
+        >>> layout.build(leaves)["c"][0].tolist()
+        [1.0, 1.0]
+    """
 
     spec: Any
     paths: tuple[str, ...]
@@ -61,6 +69,7 @@ class CarryLayout:
 
     @staticmethod
     def of(carry: Carry) -> tuple[CarryLayout, list[torch.Tensor]]:
+        """The layout of ``carry`` and its tensors in layout order; raises if it holds no tensor."""
         leaves: list[torch.Tensor] = []
         paths: list[str] = []
         spec = _flatten(carry, "carry", leaves, paths)
@@ -89,15 +98,13 @@ class CarryLayout:
         return leaves
 
     def build(self, leaves: Sequence[torch.Tensor]) -> Carry:
+        """A carry of this structure holding ``leaves`` (in layout order)."""
         return _unflatten(self.spec, iter(leaves))
 
     @property
     def nbytes(self) -> int:
+        """Bytes of one carry (all leaves)."""
         return sum(_numel(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype, _ in self.metas)
-
-    @property
-    def cuda_devices(self) -> tuple[torch.device, ...]:
-        return tuple(sorted({d for _, _, d in self.metas if d.type == "cuda"}, key=str))
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -109,25 +116,43 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class AutocastState:
-    """Autocast settings of the forward pass, re-entered for every recomputation (rule 4)."""
+    """Autocast settings of the forward pass, re-entered for every recomputation.
+
+    Example:
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     state = AutocastState.capture()
+        >>> state.enabled
+        (('cpu', torch.bfloat16),)
+    """
 
     enabled: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) of each enabled autocast
 
     @staticmethod
     def capture() -> AutocastState:
+        """The autocast settings active now (CPU, and CUDA where available)."""
         device_types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
         return AutocastState(
             tuple((d, torch.get_autocast_dtype(d)) for d in device_types if torch.is_autocast_enabled(d))
         )
 
     def enter(self, stack: contextlib.ExitStack) -> None:
+        """Enter these autocast settings on ``stack``; they end when the stack closes."""
         for device_type, dtype in self.enabled:
             stack.enter_context(torch.autocast(device_type, dtype=dtype))
 
 
 @dataclasses.dataclass(frozen=True)
 class CarrySnapshot:
-    """A stored carry x_i: detached aliases, their version counters, and the RNG state before step i+1."""
+    """A stored carry x_i: detached aliases, their version counters, and the RNG state before step i+1.
+
+    The version counters show whether a stored leaf was modified in place after it was stored.
+
+    Example:
+        >>> x = torch.ones(2)
+        >>> snapshot = CarrySnapshot((x.detach(),), (x._version,), RngSnapshot.capture())
+        >>> snapshot.versions
+        (0,)
+    """
 
     leaves: tuple[torch.Tensor, ...]
     versions: tuple[int, ...]

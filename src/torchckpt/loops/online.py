@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from torchckpt._units import check_positive_int
+
 __all__ = ["OnlineDecision", "OnlinePlacement", "online_held_states"]
 
 _NEVER_EVICTED = 1 << 62  # level of x_0 in phase two
@@ -71,11 +73,7 @@ class OnlinePlacement:
     """
 
     def __init__(self, checkpoints: int) -> None:
-        if isinstance(checkpoints, bool) or not isinstance(checkpoints, int):
-            raise TypeError(f"checkpoints must be an int >= 1; got {checkpoints!r} of type {type(checkpoints).__name__}.")
-        if checkpoints < 1:
-            raise ValueError(f"checkpoints must be >= 1; got checkpoints={checkpoints}. Pass a positive count.")
-        self.checkpoints = checkpoints
+        self.checkpoints = check_positive_int("checkpoints", checkpoints)
         self._held: list[int] = [0]  # ascending
         self._round = 0  # phase one: the current round k and its first state f_k
         self._round_first = 0
@@ -166,10 +164,7 @@ def online_held_states(steps: int, checkpoints: int) -> tuple[int, ...]:
         >>> online_held_states(10, 3)  # beta(3, 2) = 10: the offline binomial placement, gaps 4, 3, 3
         (0, 4, 7)
     """
-    if isinstance(steps, bool) or not isinstance(steps, int):
-        raise TypeError(f"steps must be an int >= 1; got {steps!r} of type {type(steps).__name__}.")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1; got steps={steps}. Pass a positive count.")
+    check_positive_int("steps", steps)
     placement = OnlinePlacement(checkpoints)
     for state in range(1, steps - 1):
         placement.offer(state)

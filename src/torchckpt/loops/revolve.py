@@ -41,6 +41,7 @@ import math
 from collections.abc import Iterable
 from typing import Literal
 
+from torchckpt._units import check_positive_int
 from torchckpt.loops.online import OnlinePlacement
 
 ActionKind = Literal["store", "restore", "free", "advance", "tape"]
@@ -59,13 +60,6 @@ __all__ = [
 ]
 
 
-def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= 1; got {value!r} of type {type(value).__name__}.")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1; got {name}={value}. Pass a positive count.")
-
-
 def binomial_max_steps(checkpoints: int, repetitions: int) -> int:
     """Most steps reversible with ``checkpoints`` states held and each step advanced <= ``repetitions`` times.
 
@@ -75,7 +69,7 @@ def binomial_max_steps(checkpoints: int, repetitions: int) -> int:
         >>> binomial_max_steps(3, 2)
         10
     """
-    _check_positive("checkpoints", checkpoints)
+    check_positive_int("checkpoints", checkpoints)
     if repetitions < 0:
         raise ValueError(f"repetitions must be >= 0; got repetitions={repetitions}.")
     beta = 1
@@ -91,8 +85,8 @@ def repetition_number(steps: int, checkpoints: int) -> int:
         >>> repetition_number(10, 3), repetition_number(11, 3)
         (2, 3)
     """
-    _check_positive("steps", steps)
-    _check_positive("checkpoints", checkpoints)
+    check_positive_int("steps", steps)
+    check_positive_int("checkpoints", checkpoints)
     t, beta = 0, 1
     while beta < steps:
         t += 1
@@ -136,8 +130,8 @@ def optimal_first_advance(steps: int, checkpoints: int) -> int:
         >>> optimal_first_advance(10, 3)
         4
     """
-    _check_positive("steps", steps)
-    _check_positive("checkpoints", checkpoints)
+    check_positive_int("steps", steps)
+    check_positive_int("checkpoints", checkpoints)
     if steps == 1:
         return 0
     if checkpoints == 1:
@@ -271,7 +265,7 @@ class RevolveScheduler:
     """
 
     def __init__(self, checkpoints: int) -> None:
-        _check_positive("checkpoints", checkpoints)
+        check_positive_int("checkpoints", checkpoints)
         self.checkpoints = checkpoints
         self._stored: list[int] = []  # sorted state indices
         self._online = OnlinePlacement(checkpoints)  # used by the online variant only
@@ -291,12 +285,12 @@ class RevolveScheduler:
 
     def forward(self, steps: int) -> list[Action]:
         """The first sweep for a loop of known length: ends with ``tape steps``."""
-        _check_positive("steps", steps)
+        check_positive_int("steps", steps)
         return self._reach_and_tape(steps)
 
     def request(self, step: int) -> list[Action]:
         """Actions that leave step ``step`` taped, starting from whatever is held (rule 3)."""
-        _check_positive("step", step)
+        check_positive_int("step", step)
         actions = [Action("free", i, i) for i in self._stored if i >= step]
         self._stored = [i for i in self._stored if i < step]
         if not self._stored:
@@ -341,7 +335,7 @@ class RevolveScheduler:
         x_``index + 1`` is live; x_``index`` is the carry the executor still holds. Offer 1, 2, 3, ...
         in order. Returns a ``free`` of the evicted state and a ``store index``, either or both or none.
         """
-        _check_positive("index", index)
+        check_positive_int("index", index)
         decision = self._online.offer(index)
         actions: list[Action] = []
         if decision.evict is not None:
@@ -358,7 +352,7 @@ class RevolveScheduler:
         The last step's graph was recorded during the forward pass, so it counts as ``tape steps``.
         Nothing needs freeing: only states up to x_``steps - 2`` were ever offered (rule 5).
         """
-        _check_positive("steps", steps)
+        check_positive_int("steps", steps)
         assert all(i < steps - 1 for i in self._stored[1:]), "internal error: a state past x_{steps-2} is held"
         self._position = None
         return [Action("tape", steps - 1, steps)]
@@ -378,8 +372,8 @@ def revolve_schedule(steps: int, checkpoints: int) -> RevolveSchedule:
         >>> s.step_evaluations == optimal_step_evaluations(3, 1) == 6
         True
     """
-    _check_positive("steps", steps)
-    _check_positive("checkpoints", checkpoints)
+    check_positive_int("steps", steps)
+    check_positive_int("checkpoints", checkpoints)
     planner = RevolveScheduler(checkpoints)
     actions = planner.start() + planner.forward(steps)
     forward_actions = len(actions)
@@ -402,8 +396,8 @@ def online_schedule(steps: int, checkpoints: int) -> RevolveSchedule:
         >>> online_schedule(6, 2).step_evaluations == optimal_step_evaluations(6, 2) == 14
         True
     """
-    _check_positive("steps", steps)
-    _check_positive("checkpoints", checkpoints)
+    check_positive_int("steps", steps)
+    check_positive_int("checkpoints", checkpoints)
     planner = RevolveScheduler(checkpoints)
     actions = planner.start()
     for index in range(1, steps):  # the last step runs as the forward's tape, added by end_forward

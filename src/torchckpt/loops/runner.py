@@ -20,11 +20,13 @@ How it works (the rules the code keeps):
    without a graph, store new checkpoints, re-run step j recording what it saves) and hands back the
    recomputed tensors in the order they were saved.
 4. A checkpoint stores the carry (aliases, no copy) and the RNG state before the next step (CPU, plus
-   CUDA for the carry's CUDA devices), so recomputed dropout masks equal the forward's. The caller's
-   RNG state is put back after each recomputation. Recomputation runs under the autocast settings
-   that were active when the loop was called. ``checkpointed_while`` decides about x_c only once
-   ``cond_fn`` has accepted x_{c+1}, so it holds back x_c's snapshot (taken before step c+1) until
-   then: a ``store c`` then takes the held-back snapshot, any other ``store`` the live carry.
+   every initialised CUDA device; ``torchckpt._host.RngSnapshot``), so recomputed dropout masks equal
+   the forward's. The caller's RNG state is put back after each recomputation. Recomputation runs
+   under the autocast settings that were active when the loop was called. ``checkpointed_while``
+   decides about x_c only once ``cond_fn`` has accepted x_{c+1}, so it holds back x_c's snapshot
+   (taken before step c+1) until then: a ``store c`` then takes the held-back snapshot, any other
+   ``store`` the live carry. The carry's layout, snapshots and autocast state live in
+   ``torchckpt.loops.carry``.
 5. Each recomputed step must save the same number of tensors with the same shapes as in the forward
    pass, and stored carries must not be modified in place; both are checked and raise otherwise.
 6. No global state: counts and the actions run are written to a ``LoopStats`` the caller passes in.
@@ -34,8 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -100,7 +101,7 @@ def _resolve_checkpoints(checkpoints: int | None, budget_bytes: int | str | None
             f"stored carries plus the live one); got checkpoints={checkpoints!r}, budget_bytes={budget_bytes!r}."
         )
     if checkpoints is not None:
-        _check_count("checkpoints", checkpoints)
+        check_positive_int("checkpoints", checkpoints)
         return checkpoints
     assert budget_bytes is not None
     budget = parse_bytes(budget_bytes, option="budget_bytes")
@@ -111,13 +112,6 @@ def _resolve_checkpoints(checkpoints: int | None, budget_bytes: int | str | None
             f"{2 * carry_bytes}, or pass checkpoints=1."
         )
     return budget // carry_bytes - 1
-
-
-def _check_count(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= 1; got {value!r} of type {type(value).__name__}.")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1; got {name}={value}.")
 
 
 class _SavedSlot:
@@ -334,7 +328,7 @@ def checkpointed_loop(
         >>> rnn.weight.grad.shape
         torch.Size([8, 8])
     """
-    _check_count("steps", steps)
+    check_positive_int("steps", steps)
     layout, leaves, count, stats = _prepare(carry, checkpoints, budget_bytes, stats)
     stats.steps = steps
     if not torch.is_grad_enabled():
@@ -388,7 +382,7 @@ def checkpointed_while(
         >>> stats.steps, float(w.grad) == 3 * 12 * 0.5**11
         (12, True)
     """
-    _check_count("max_steps", max_steps)
+    check_positive_int("max_steps", max_steps)
     layout, leaves, count, stats = _prepare(carry, checkpoints, budget_bytes, stats)
     planner = RevolveScheduler(count)
     runner = _LoopRunner(step_fn, layout, planner, preserve_rng_state, stats)

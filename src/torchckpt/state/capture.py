@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchckpt._host import RngSnapshot
 from torchckpt.state.errors import CheckpointMismatchError
 
 RESERVED_ITEM_NAMES = frozenset({"state", "manifest", "metrics", "rng", "step"})
@@ -192,12 +193,12 @@ def _prime_stateful_loader(obj: object) -> None:
         obj.state_dict()  # type: ignore[attr-defined]  # builds the iterator the next `for` reuses
 
 
-def _bytes_of(state: torch.Tensor) -> str:
-    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+def _text_of(state: np.ndarray) -> str:
+    return base64.b64encode(state.tobytes()).decode("ascii")
 
 
-def _tensor_of(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
+def _array_of(text: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text, validate=True), dtype=np.uint8).copy()
 
 
 def capture_rng() -> dict[str, Any]:
@@ -207,14 +208,12 @@ def capture_rng() -> dict[str, Any]:
         >>> sorted(capture_rng())
         ['cuda', 'numpy', 'python', 'torch_cpu']
     """
-    cuda_states: list[str] = []
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        cuda_states = [_bytes_of(state) for state in torch.cuda.get_rng_state_all()]
+    torch_streams = RngSnapshot.capture()
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
-        "torch_cpu": _bytes_of(torch.get_rng_state()),
-        "cuda": cuda_states,
+        "torch_cpu": _text_of(torch_streams.cpu),
+        "cuda": [_text_of(state) for state in torch_streams.cuda],
     }
 
 
@@ -235,7 +234,6 @@ def restore_rng(state: Mapping[str, Any], source: str) -> None:
                 f"has {found}; resume cannot be bit-exact. Fix: run on the same devices, or pass "
                 "restore(..., rng=False) to keep this process's RNG state."
             )
-        torch.cuda.set_rng_state_all([_tensor_of(text) for text in cuda_states])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(_tensor_of(state["torch_cpu"]))
+    RngSnapshot(cpu=_array_of(state["torch_cpu"]), cuda=tuple(_array_of(text) for text in cuda_states)).restore()
