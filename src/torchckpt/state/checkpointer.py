@@ -33,12 +33,10 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torchckpt.state.capture import (
@@ -48,15 +46,14 @@ from torchckpt.state.capture import (
     check_item_name,
     restore_rng,
 )
-from torchckpt.state.catalog import VERIFY_MODES, CheckpointInfo, inspect_step
+from torchckpt.state.catalog import CheckpointInfo, check_verify_mode, inspect_step
+from torchckpt.state.config import CheckpointerConfig, check_metric_name, check_step
 from torchckpt.state.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointMismatchError,
 )
 from torchckpt.state.format import (
-    DEFAULT_HASH_ALGORITHM,
-    HASH_ALGORITHMS,
     FileEntry,
     Manifest,
     encode_manifest,
@@ -66,57 +63,10 @@ from torchckpt.state.format import (
 )
 from torchckpt.state.preemption import PreemptionHandler, parse_signals
 from torchckpt.state.reader import read_newest_valid
-from torchckpt.state.retention import RetentionPolicy, steps_to_keep
+from torchckpt.state.retention import steps_to_keep
 from torchckpt.state.snapshot import FileChunks, Snapshot, encode_snapshot
-from torchckpt.state.staging import HostStaging
+from torchckpt.state.staging import HostStaging, changed_only_by_optimizer_steps
 from torchckpt.state.storage import StepWriter, Storage, open_storage, split_pieces
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointerConfig:
-    """Options of a :class:`Checkpointer`; checked when built.
-
-    Example:
-        >>> CheckpointerConfig(keep_last=3, save_every_steps=100).verify
-        'full'
-    """
-
-    keep_last: int | None = None
-    keep_best: tuple[str, str, int] | None = None
-    keep_every: int | None = None
-    async_save: bool = False
-    async_staging: bool = False
-    save_every_steps: int | None = None
-    save_every_seconds: float | None = None
-    verify: str = "full"
-    fallback: bool = True
-    capture_rng: bool = True
-    hash_algorithm: str = DEFAULT_HASH_ALGORITHM
-    save_on_preemption: bool = False
-    preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGINT")
-
-    def __post_init__(self) -> None:
-        _ = self.retention  # validates keep_* options
-        if self.async_staging and not self.async_save:
-            raise ValueError("async_staging=True copies in the background thread of an async save; "
-                             "pass async_save=True too")
-        if self.save_every_steps is not None and (type(self.save_every_steps) is not int or self.save_every_steps < 1):
-            raise ValueError(f"save_every_steps={self.save_every_steps!r}: expected a positive int or None")
-        if self.save_every_seconds is not None and not (
-            isinstance(self.save_every_seconds, (int, float)) and self.save_every_seconds > 0
-        ):
-            raise ValueError(f"save_every_seconds={self.save_every_seconds!r}: expected a positive number or None")
-        if self.verify not in VERIFY_MODES:
-            raise ValueError(f"verify={self.verify!r}: expected one of {VERIFY_MODES}")
-        if self.hash_algorithm not in HASH_ALGORITHMS:
-            raise ValueError(f"hash_algorithm={self.hash_algorithm!r}: expected one of {sorted(HASH_ALGORITHMS)}")
-        new_hasher(self.hash_algorithm)  # fails early if the hash library is missing
-        parse_signals(self.preemption_signals)
-
-    @property
-    def retention(self) -> RetentionPolicy:
-        """The keep_* options as a retention policy."""
-        return RetentionPolicy(keep_last=self.keep_last, keep_best=self.keep_best, keep_every=self.keep_every)
 
 
 class Checkpointer:
@@ -188,9 +138,11 @@ class Checkpointer:
         """
         self._check_open()
         self.wait()  # rule 3
-        _check_step(step)
+        check_step(step)
         self._check_step_free(step)
-        checked_metrics = {_metric_name(name): metric_value(name, value) for name, value in (metrics or {}).items()}
+        checked_metrics = {
+            check_metric_name(name): metric_value(name, value) for name, value in (metrics or {}).items()
+        }
         files = self._snapshot(step, items, checked_metrics)  # rule 4
         if self.config.async_staging and self._staging.deferred_count:
             self._staged = threading.Event()
@@ -254,7 +206,7 @@ class Checkpointer:
         captured = {name: capture_item(name, obj) for name, obj in items.items()}
         rng = capture_rng() if self.config.capture_rng else None
         staging = self._staging if self.config.async_save else None  # rule 4
-        defer = _changed_only_by_optimizer_steps(items) if self.config.async_staging else None
+        defer = changed_only_by_optimizer_steps(items) if self.config.async_staging else None
         return encode_snapshot(step=step, items=captured, rng=rng, metrics=metrics, staging=staging, defer=defer)
 
     def _stage_and_write(
@@ -385,8 +337,7 @@ class Checkpointer:
         self._check_open()
         self.wait()
         verify = self.config.verify if verify is None else verify
-        if verify not in VERIFY_MODES:
-            raise ValueError(f"verify={verify!r}: expected one of {VERIFY_MODES}")
+        check_verify_mode(verify)
         for name in items:
             check_item_name(name)
         fallback = self.config.fallback if fallback is None else fallback
@@ -428,8 +379,7 @@ class Checkpointer:
             []
             >>> ckpt.close(); tmp.cleanup()
         """
-        if verify not in VERIFY_MODES:
-            raise ValueError(f"verify={verify!r}: expected one of {VERIFY_MODES}")
+        check_verify_mode(verify)
         return [inspect_step(self._storage, step, verify) for step in sorted(self._storage.step_entries())]  # type: ignore[arg-type]
 
     def latest_step(self) -> int | None:
@@ -487,26 +437,3 @@ def _write_hashed(
     for update in updates:
         update.result()
     return FileEntry(size_bytes=size_bytes, hash=hasher.hexdigest())
-
-
-def _changed_only_by_optimizer_steps(items: Mapping[str, Any]) -> Callable[[torch.Tensor], bool]:
-    """Predicate for the tensors background staging may copy late: module parameters, optimizer state."""
-    guarded: set[tuple[int, int]] = set()
-    for obj in items.values():
-        if isinstance(obj, torch.nn.Module):
-            guarded.update((p.data_ptr(), p.numel()) for p in obj.parameters() if p.numel())
-        elif isinstance(obj, torch.optim.Optimizer):
-            guarded.update((t.data_ptr(), t.numel()) for state in obj.state.values() for t in state.values()
-                           if isinstance(t, torch.Tensor) and t.numel())
-    return lambda tensor: tensor.numel() > 0 and (tensor.data_ptr(), tensor.numel()) in guarded
-
-
-def _metric_name(name: object) -> str:
-    if not isinstance(name, str):
-        raise TypeError(f"metric name {name!r} is a {type(name).__name__}; expected a str")
-    return name
-
-
-def _check_step(step: object) -> None:
-    if type(step) is not int or step < 0:
-        raise ValueError(f"step={step!r}: expected a non-negative int")

@@ -29,6 +29,7 @@ Rules kept here:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -162,3 +163,22 @@ def _copy_into(buffer: torch.Tensor, offset: int, tensor: torch.Tensor) -> torch
     target = _slot(buffer, offset, tensor)
     target.copy_(tensor, non_blocking=tensor.is_cuda)
     return target
+
+
+def changed_only_by_optimizer_steps(items: Mapping[str, Any]) -> Callable[[torch.Tensor], bool]:
+    """Predicate for the tensors background staging may copy late (rule 4): parameters, optimizer state.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 2)
+        >>> late = changed_only_by_optimizer_steps({"model": model})
+        >>> late(model.weight), late(torch.ones(2))
+        (True, False)
+    """
+    guarded: set[tuple[int, int]] = set()
+    for obj in items.values():
+        if isinstance(obj, torch.nn.Module):
+            guarded.update((p.data_ptr(), p.numel()) for p in obj.parameters() if p.numel())
+        elif isinstance(obj, torch.optim.Optimizer):
+            guarded.update((t.data_ptr(), t.numel()) for state in obj.state.values() for t in state.values()
+                           if isinstance(t, torch.Tensor) and t.numel())
+    return lambda tensor: tensor.numel() > 0 and (tensor.data_ptr(), tensor.numel()) in guarded

@@ -1,0 +1,86 @@
+"""A Checkpointer's options (``CheckpointerConfig``) and the checks of its call arguments.
+
+Every option is checked when the config is built, so a bad option fails before any file is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchckpt._units import check_positive_int
+from torchckpt.state.catalog import check_verify_mode
+from torchckpt.state.format import DEFAULT_HASH_ALGORITHM, HASH_ALGORITHMS, new_hasher
+from torchckpt.state.preemption import parse_signals
+from torchckpt.state.retention import RetentionPolicy
+
+__all__ = ["CheckpointerConfig", "check_metric_name", "check_step"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointerConfig:
+    """Options of a :class:`Checkpointer`; checked when built.
+
+    Example:
+        >>> CheckpointerConfig(keep_last=3, save_every_steps=100).verify
+        'full'
+    """
+
+    keep_last: int | None = None
+    keep_best: tuple[str, str, int] | None = None
+    keep_every: int | None = None
+    async_save: bool = False
+    async_staging: bool = False
+    save_every_steps: int | None = None
+    save_every_seconds: float | None = None
+    verify: str = "full"
+    fallback: bool = True
+    capture_rng: bool = True
+    hash_algorithm: str = DEFAULT_HASH_ALGORITHM
+    save_on_preemption: bool = False
+    preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGINT")
+
+    def __post_init__(self) -> None:
+        _ = self.retention  # validates keep_* options
+        if self.async_staging and not self.async_save:
+            raise ValueError("async_staging=True copies in the background thread of an async save; "
+                             "pass async_save=True too")
+        if self.save_every_steps is not None:
+            check_positive_int("save_every_steps", self.save_every_steps)
+        if self.save_every_seconds is not None and not (
+            isinstance(self.save_every_seconds, (int, float)) and self.save_every_seconds > 0
+        ):
+            raise ValueError(f"save_every_seconds={self.save_every_seconds!r}: expected a positive number or None")
+        check_verify_mode(self.verify)
+        if self.hash_algorithm not in HASH_ALGORITHMS:
+            raise ValueError(f"hash_algorithm={self.hash_algorithm!r}: expected one of {sorted(HASH_ALGORITHMS)}")
+        new_hasher(self.hash_algorithm)  # fails early if the hash library is missing
+        parse_signals(self.preemption_signals)
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        """The keep_* options as a retention policy."""
+        return RetentionPolicy(keep_last=self.keep_last, keep_best=self.keep_best, keep_every=self.keep_every)
+
+
+def check_metric_name(name: object) -> str:
+    """Return ``name`` if it can name a metric (a str); raise TypeError otherwise.
+
+    Example:
+        >>> check_metric_name("loss")
+        'loss'
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"metric name {name!r} is a {type(name).__name__}; expected a str")
+    return name
+
+
+def check_step(step: object) -> int:
+    """Return ``step`` if it is a non-negative int (a step number); raise ValueError naming it otherwise.
+
+    Example:
+        >>> check_step(0)
+        0
+    """
+    if type(step) is not int or step < 0:
+        raise ValueError(f"step={step!r}: expected a non-negative int")
+    return step
