@@ -8,7 +8,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test test-fast lint bench setup clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,9 +29,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	MALLOC_MMAP_THRESHOLD_=65536 $(PY) -m pytest -q tests
 
+# The suite without the tests marked slow, stopping at the first failure.
+test-fast: $(STAMP)
+	MALLOC_MMAP_THRESHOLD_=65536 $(PY) -m pytest -q -x -m "not slow" tests
+
+# ruff (rules in pyproject.toml's [tool.ruff]) and mypy ([tool.mypy]: src/torchckpt).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
+
 # The full benchmark against every peer (bench/README.md): ~30 min on a 2-core CPU. BENCH_ARGS=--quick for CI's.
 bench: $(STAMP)
 	MALLOC_MMAP_THRESHOLD_=65536 $(VENV)/bin/torchckpt bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -6,7 +6,8 @@
 Each method runs forward + backward of ``h = tanh(W h + U x_t)`` over ``--steps`` steps. Peak memory is
 the exact live tensor bytes above the entry baseline (``MemoryMeter`` on CPU), taken in one run; time
 is the best of ``--repeats`` separate runs without the meter (its dispatch mode slows every op).
-Timing is reported as a ratio to the plain loop measured in the same process (STYLE rule 10).
+Timing is reported as a ratio to the plain loop measured in the same process
+(Note: [timing is never asserted]).
 Writes ``loops.md`` (table), ``loops.json`` and ``loops.png`` (memory vs time) under ``--out``.
 """
 

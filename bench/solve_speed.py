@@ -61,11 +61,11 @@ def main(sizes: tuple[int, ...] = (12, 24, 48, 100)) -> None:
         costs = transformer_like(n)
         plain_peak, _ = evaluate(costs, tuple(Single(i, 0) for i in range(n)))
         floor = floor_bytes(costs)
-        floor_s = _median_s(lambda: floor_bytes(costs))
+        floor_s = _median_s(lambda costs=costs: floor_bytes(costs))
         for label, fraction in (("mid", 0.5), ("tight", 0.05)):
             budget = int(floor + fraction * (plain_peak - floor))
             solution = solve(costs, budget)
-            solve_s = _median_s(lambda: solve(costs, budget))
+            solve_s = _median_s(lambda costs=costs, budget=budget: solve(costs, budget))
             print(f"{n:>4} {label:>7} {solve_s:>8.3f} {floor_s:>8.3f} {budget / MIB:>11.1f} "
                   f"{solution.predicted_peak_bytes / MIB:>9.1f} {solution.extra_time_s * 1e3:>9.2f}  "
                   f"{_shape(solution.schedule)}")

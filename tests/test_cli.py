@@ -14,8 +14,8 @@ from torchckpt.cli.main import main
 
 def _torchckpt(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", COLUMNS="120")
-    return subprocess.run([sys.executable, "-m", "torchckpt.cli.main", *args], check=False, capture_output=True, text=True,
-                          timeout=600, env=env)
+    return subprocess.run([sys.executable, "-m", "torchckpt.cli.main", *args], check=False, capture_output=True,
+                          text=True, timeout=600, env=env)
 
 
 def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,7 +3,7 @@
 Usage: .venv/bin/python bench/state/bench_hash.py [--mib 256] [--repeats 3]
 
 Prints a markdown table (the one in docs/state.md) and writes bench/state/results/hash.json.
-Timing is measured here, never asserted in tests (STYLE.md habit 10); compare ratios within one run.
+Timing is measured here, never asserted in tests (Note: [timing is never asserted]); compare ratios within one run.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def _model_state(mib: int) -> torch.nn.Module:
     return model
 
 
-def _save_times_s(algorithm: str, model, optimizer, directory: str, repeats: int, async_save: bool) -> tuple[float, float]:
+def _save_times_s(algorithm: str, model, optimizer, directory: str, repeats: int,
+                  async_save: bool) -> tuple[float, float]:
     """(time save() blocks, total time until committed), medians."""
     blocking, total = [], []
     with Checkpointer(os.path.join(directory, f"{algorithm}-{async_save}"), hash_algorithm=algorithm,
@@ -100,12 +101,14 @@ def main() -> None:
     print("| hash | MiB/s | hash s | hash / write | full save (sync) s | async save blocks s | async total s |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['algorithm']} | {row['hash_mib_per_s']:.0f} | {row['hash_s']:.3f} | {row['hash_over_write']:.2f} "
-              f"| {row['save_sync_s']:.3f} | {row['save_async_blocking_s']:.3f} | {row['save_async_total_s']:.3f} |")
+        print(f"| {row['algorithm']} | {row['hash_mib_per_s']:.0f} | {row['hash_s']:.3f} "
+              f"| {row['hash_over_write']:.2f} | {row['save_sync_s']:.3f} | {row['save_async_blocking_s']:.3f} "
+              f"| {row['save_async_total_s']:.3f} |")
     out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "hash.json"), "w") as handle:
-        json.dump({"mib": args.mib, "repeats": args.repeats, "cpu_count": os.cpu_count(), "rows": rows}, handle, indent=1)
+        json.dump({"mib": args.mib, "repeats": args.repeats, "cpu_count": os.cpu_count(), "rows": rows}, handle,
+                  indent=1)
 
 
 if __name__ == "__main__":

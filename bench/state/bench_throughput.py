@@ -7,7 +7,8 @@ One process, one state: a model of 4 square bias-free Linear layers + AdamW stat
 (params + 2 moments ~= --mb MB, 1 MB = 10**6 bytes). Every repeat runs every method once, in
 the same order (interleaved), so drift of the shared machine hits all methods alike: first every
 write, then every read, the raw read both first and last (two samples per repeat); reported:
-median and min-max of the seconds, MB/s of the median (state bytes over the time; none for the training-step rows). Every write ends with fsync (raw write:
+median and min-max of the seconds, MB/s of the median (state bytes over the time; none for the
+training-step rows). Every write ends with fsync (raw write:
 write + fsync; torch.save: + fsync of the file; dcp: FileSystemWriter(sync_files=True);
 torchckpt: its commit protocol, default hash xxh3_128). Before every timed read the files are read once
 untimed and then evicted from the page cache (posix_fadvise DONTNEED), so timed reads come from the
@@ -31,7 +32,7 @@ copy, hash and write share the training step's cores and memory bandwidth.
 Restores go into a freshly built model and optimizer, as a resumed run's do; one more row restores into
 the live objects (a rollback inside one process), which first frees their old state.
 
-Targets (ratios of median times; issue 4): torchckpt sync save / raw write throughput >= 0.8;
+Targets (ratios of median times; the zero-copy I/O targets): torchckpt sync save / raw write throughput >= 0.8;
 async save blocking time / sync save time <= 0.10; torchckpt restore / raw read throughput >= 0.8,
 for verify="full" and verify="fast".
 Prints a Markdown table and writes bench/state/results/throughput.json. Measured, never asserted.
@@ -53,7 +54,7 @@ from collections.abc import Callable
 import torch
 
 from torchckpt.state import Checkpointer
-from torchckpt.state.format import DEFAULT_HASH_ALGORITHM, hash_bytes
+from torchckpt.state.format import DEFAULT_HASH_ALGORITHM, hash_bytes, parse_step_dir_name
 from torchckpt.state.reader import read_newest_valid
 from torchckpt.state.storage import open_storage
 
@@ -108,7 +109,7 @@ def clear_steps(directory: str) -> None:
     read buffer) pay for reclaiming it, on whichever reader comes next.
     """
     for entry in os.listdir(directory):
-        if entry.startswith("step-"):
+        if parse_step_dir_name(entry) is not None:
             evict(os.path.join(directory, entry))
             shutil.rmtree(os.path.join(directory, entry))
 
@@ -236,8 +237,9 @@ class Bench:
 
         def read_only() -> None:
             self.before_read(sync_dir)
-            snapshot = self.timed("torchckpt read+verify=full+decode only (no load_state_dict)", lambda: read_newest_valid(
-                open_storage(sync_dir), step=None, verify="full", fallback=False, wanted={"model", "optimizer"}))
+            snapshot = self.timed("torchckpt read+verify=full+decode only (no load_state_dict)",
+                                  lambda: read_newest_valid(open_storage(sync_dir), step=None, verify="full",
+                                                            fallback=False, wanted={"model", "optimizer"}))
             assert snapshot.step == step
 
         step = self.step
@@ -346,15 +348,18 @@ def main() -> None:
     for name, seconds in bench.times.items():
         median = statistics.median(seconds)
         rows[name] = {"median_s": median, "min_s": min(seconds), "max_s": max(seconds),
-                      "mb_per_s": nbytes / MB / median if median > 0 and not name.startswith("training step") else None, "seconds": seconds}
+                      "mb_per_s": nbytes / MB / median if median > 0 and not name.startswith("training step") else None,
+                      "seconds": seconds}
     med = {name: row["median_s"] for name, row in rows.items()}
     save = f"torchckpt save (sync, {DEFAULT_HASH_ALGORITHM})"
     targets = [
         ("torchckpt sync save / raw write (throughput)", med["raw write (write+fsync)"] / med[save], ">= 0.8"),
-        ("torchckpt async blocking / sync save (time)", med["torchckpt save (async, blocking part)"] / med[save], "<= 0.10"),
+        ("torchckpt async blocking / sync save (time)",
+         med["torchckpt save (async, blocking part)"] / med[save], "<= 0.10"),
         ("torchckpt async_staging blocking (call + step wait) / sync save (time)",
          med["torchckpt save (async_staging, blocking part: call + wait)"] / med[save], "<= 0.10"),
-        ("torchckpt restore verify=full / raw read (throughput)", med["raw read"] / med["torchckpt restore (verify=full)"], ">= 0.8"),
+        ("torchckpt restore verify=full / raw read (throughput)",
+         med["raw read"] / med["torchckpt restore (verify=full)"], ">= 0.8"),
         ("torchckpt restore verify=fast / raw read (throughput)",
          med["raw read"] / med["torchckpt restore (verify=fast, no hashing)"], ">= 0.8"),
     ] if "raw read" in med and save in med else []
@@ -379,7 +384,8 @@ def main() -> None:
     print("\n| target | value | wanted | met |")
     print("|---|---|---|---|")
     for target in results["targets"]:
-        print(f"| {target['ratio']} | {target['value']:.2f} | {target['target']} | {'yes' if target['met'] else 'no'} |")
+        met = "yes" if target["met"] else "no"
+        print(f"| {target['ratio']} | {target['value']:.2f} | {target['target']} | {met} |")
     for name, ratio in slowdowns.items():
         print(f"\n{name} / no save in flight: {ratio:.2f} (median {med[name]:.3f} s vs {med[plain_step]:.3f} s)")
     out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

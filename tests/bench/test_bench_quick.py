@@ -97,7 +97,7 @@ def test_chain_detection_explains_non_chain_models() -> None:
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"repeats": 0}, "BenchConfig.repeats must be an int >= 1; got 0"),
+    ({"repeats": 0}, "BenchConfig.repeats must be >= 1; got BenchConfig.repeats=0"),
     ({"models": ("gpt-huge",)}, "unknown model 'gpt-huge'"),
     ({"peers": ("every_block",)}, "always including 'none'"),
     ({"sweep_points": 1}, "sweep_points must be an int >= 2"),

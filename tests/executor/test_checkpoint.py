@@ -93,7 +93,8 @@ def test_nested_checkpoints_and_autograd_grad() -> None:
 
 @pytest.mark.parametrize("inner_policy", ["plain", "nothing_saveable", "dots_saveable", "everything_saveable"])
 def test_nested_region_holds_only_its_input(inner_policy: str) -> None:
-    """Rule 6: whatever the inner checkpoints keep, the enclosing region holds only its own input."""
+    """Note: [nested checkpoints keep nothing]: whatever the inner checkpoints keep, the enclosing region
+    holds only its own input."""
     torch.manual_seed(0)
     blocks = [_block(width=64, dropout=0.1) for _ in range(3)]
     x = torch.randn(256, 64, requires_grad=True)
@@ -139,7 +140,7 @@ def test_kept_value_modified_in_place_is_recomputed() -> None:
 
 
 def test_retain_graph_second_backward_recomputes_served_values() -> None:
-    """Rule 7: kept outputs are handed over once; a second backward recomputes them, same gradients."""
+    """Note: [kept outputs are handed over once]: a second backward recomputes them, same gradients."""
     block, x = _block(dropout=0.3), torch.randn(8, 16, requires_grad=True)
     torch.manual_seed(2)
     out = checkpoint(block, x, policy="dots_saveable")

@@ -122,7 +122,8 @@ def _trainer_losses(tmp_path: Path, enable: bool) -> list[float]:
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
     if enable:  # the three lines of docs/hf.md, as written there (they end with trainer.train())
         text = (Path(__file__).resolve().parents[2] / "docs" / "hf.md").read_text()
-        block = re.findall(r"```python\n(.*?)```", text.split("## With `transformers.Trainer`", 1)[1], flags=re.DOTALL)[0]
+        section = text.split("## With `transformers.Trainer`", 1)[1]
+        block = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)[0]
         assert block.strip().endswith("trainer.train()")
         exec(compile(block, "docs/hf.md", "exec"), {"trainer": trainer})  # noqa: S102 - our own docs
         assert hf.is_enabled(model)

@@ -81,7 +81,7 @@ def simulate(schedule: RevolveSchedule) -> Counter:
     """Replay a schedule checking every rule; return how often each step was evaluated.
 
     A store names the live state, or, in the forward sweep only, the state just before it (the online
-    variant decides about x_c once x_{c+1} is live; revolve.py rule 5).
+    variant decides about x_c once x_{c+1} is live; revolve.py's [states are offered one step late]).
     """
     held: set[int] = set()
     live: int | None = 0  # the forward pass starts from x_0
@@ -238,10 +238,11 @@ def test_non_int_counts_are_rejected(bad: object) -> None:
 # --------------------------------------------------------------------------- online variant
 #
 # Stumm & Walther, "New algorithms for optimal online checkpointing", SIAM J. Sci. Comput. 32(2), 2010,
-# Algorithm 1, as stated in torchckpt/remat/online.py (rule 2): x_0 is held; round k = 0, 1, ..., s-1
-# starts at f_k (f_0 = 0) and spans s - k + 1 states: f_k is kept for good in place of the newest state
-# kept by round k - 1, the next s - k - 1 states are kept each in place of the oldest state kept by
-# round k - 1 (round 0: free slots), the round's last state is not kept; f_{k+1} = f_k + s - k + 1.
+# Algorithm 1, as stated in torchckpt/loops/online.py ([phase one is Algorithm 1]): x_0 is held;
+# round k = 0, 1, ..., s-1 starts at f_k (f_0 = 0) and spans s - k + 1 states: f_k is kept for good in
+# place of the newest state kept by round k - 1, the next s - k - 1 states are kept each in place of the
+# oldest state kept by round k - 1 (round 0: free slots), the round's last state is not kept;
+# f_{k+1} = f_k + s - k + 1.
 # x_c is offered once the loop is known to run >= c + 2 steps, so a loop of l steps ends with the
 # states held after offering x_1 .. x_{l-2}.
 
@@ -265,8 +266,8 @@ def best_online_worst_excess(checkpoints: int, longest: int) -> int:
     """Least, over *every* online policy, of the worst excess over the offline optimum for lengths 1..longest.
 
     A policy learns that the loop runs >= l steps, then may keep x_{l-2} in place of any held state
-    other than x_0, or drop it (the timing of rule 1 in online.py). Dynamic programming over the held
-    set: best[S] = least worst excess so far of a policy holding S.
+    other than x_0, or drop it (the timing of online.py's [deciding late loses nothing]). Dynamic
+    programming over the held set: best[S] = least worst excess so far of a policy holding S.
     """
     best = {frozenset([0]): 0}
     for steps in range(2, longest + 1):

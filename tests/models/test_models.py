@@ -43,5 +43,5 @@ def test_bad_configs_are_explained() -> None:
         gpt("tiny")(torch.zeros(1, 300, dtype=torch.long))
     with pytest.raises(ValueError, match="must be divisible by 2"):
         unet("tiny")(torch.zeros(1, 3, 15, 15))
-    with pytest.raises(ValueError, match="mlp: depth must be a positive int; got 0"):
+    with pytest.raises(ValueError, match=r"MLP\.depth must be >= 1; got MLP\.depth=0"):
         mlp(0, 8)

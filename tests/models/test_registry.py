@@ -68,7 +68,7 @@ def test_registry_refuses_a_duplicate_name_and_bad_shapes() -> None:
     with pytest.raises(ValueError, match="ModelEntry.name must be a non-empty word"):
         ModelEntry(name="two words", description="", make=entry.make, shape=entry.shape, blocks=entry.blocks,
                    family="gpt")
-    with pytest.raises(ValueError, match=r"BatchShape.batch_size must be a positive int; got 0"):
+    with pytest.raises(ValueError, match=r"BatchShape\.batch_size must be >= 1; got BatchShape\.batch_size=0"):
         BatchShape(batch_size=0)
     with pytest.raises(ModelSpecError, match="unknown model 'nope'; choose from gpt-small"):
         get_model("nope")

@@ -13,8 +13,9 @@ from torchckpt.planner.plan import Plan, PlanMismatchError, PlannedBlock, Planne
 
 def _plan_for(model: torch.nn.Module, batch: tuple) -> Plan:
     paths = [f"blocks.{i}" for i in range(len(model.blocks))]
-    schedule = (PlannedRegion(start=0, stop=2, inner=(PlannedBlock(block=0, plain=True), PlannedBlock(block=1, plain=True))),
-                PlannedBlock(block=2, plain=False, keep=(3, 12)), PlannedBlock(block=3, plain=True))
+    inner = (PlannedBlock(block=0, plain=True), PlannedBlock(block=1, plain=True))
+    region = PlannedRegion(start=0, stop=2, inner=inner)
+    schedule = (region, PlannedBlock(block=2, plain=False, keep=(3, 12)), PlannedBlock(block=3, plain=True))
     return Plan(budget_bytes=10**6, predicted_peak_bytes=9 * 10**5, predicted_extra_time_s=0.01, schedule=schedule,
                 block_paths=tuple(paths), fingerprint=fingerprint(model, batch, paths),
                 reference={"no_checkpointing_peak_bytes": 2e6})
@@ -150,8 +151,8 @@ def test_blocks_given_out_of_forward_order_are_refused() -> None:
 
 def test_plan_pieces_are_typed_and_checked() -> None:
     with pytest.raises(TypeError, match="Plan.schedule holds PlannedBlock/PlannedRegion pieces; got dict"):
-        Plan(budget_bytes=1, predicted_peak_bytes=1, predicted_extra_time_s=0.0, schedule=({"block": 0, "plain": True},),
-             block_paths=("blocks.0",), fingerprint={})
+        Plan(budget_bytes=1, predicted_peak_bytes=1, predicted_extra_time_s=0.0,
+             schedule=({"block": 0, "plain": True},), block_paths=("blocks.0",), fingerprint={})
     with pytest.raises(ValueError, match=r"inner covers blocks \[0, 2\]; it must cover \[0, 1\]"):
         PlannedRegion(start=0, stop=2, inner=(PlannedBlock(block=0, plain=True), PlannedBlock(block=2, plain=True)))
     with pytest.raises(ValueError, match="is plain .* and cannot also list ops to keep"):

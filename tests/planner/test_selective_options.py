@@ -1,12 +1,13 @@
 """Selective options ("recompute, keep k ops"): what a menu option says a block keeps is what the executor keeps.
 
-The profiler lists the ops whose outputs autograd saves; a menu option keeps a subset of them. The
-executor never keeps some outputs whatever the policy says (policies.py rule 1: views, in-place and
-random ops; ATen tags attention kernels that take ``dropout_p`` as random). An option naming one of those
-would be predicted to hold bytes that are in fact recomputed, so the profiler must leave them out. These
-tests check every option of the built-in GPT's menu against the executor: the bytes a checkpointed block
-holds after its forward pass, exactly, and the measured peak of a step with every block on that option,
-within the 1 KiB of ``test_planner.py`` (headroom taken off), with gradients equal to the plain model's.
+The profiler lists the ops whose outputs autograd saves; a menu option keeps a subset of them. The executor
+never keeps some outputs whatever the policy says (policies.py's [no view, in-place or random op is kept]:
+views, in-place and random ops; ATen tags attention kernels that take ``dropout_p`` as random). An option
+naming one of those would be predicted to hold bytes that are in fact recomputed, so the profiler must leave
+them out. These tests check every option of the built-in GPT's menu against the executor: the bytes a
+checkpointed block holds after its forward pass, exactly, and the measured peak of a step with every block
+on that option, within the 1 KiB of ``test_planner.py`` (headroom taken off), with gradients equal to the
+plain model's.
 """
 
 from __future__ import annotations

@@ -216,7 +216,8 @@ class NoTorch(importlib.abc.MetaPathFinder):
             raise ImportError("blocked import of " + name)
 
 sys.meta_path.insert(0, NoTorch())
-for package in ("torchckpt", "torchckpt.planner", "torchckpt.executor"):  # bare packages: their __init__ (which imports torch) is skipped
+# bare packages: their __init__ (which imports torch) is skipped
+for package in ("torchckpt", "torchckpt.planner", "torchckpt.executor"):
     module = types.ModuleType(package)
     module.__path__ = [sys.argv[1] + "/" + package.replace(".", "/")]
     sys.modules[package] = module

@@ -143,8 +143,8 @@ def _revolve_advances(steps: int, slots: int) -> int:
 def _revolve_chain(steps: int, tape: int) -> ChainCosts:
     # One checkpoint slot = one block input (input_bytes = 1); one step's tape = saved_bytes = tape, so
     # large that two tapes never fit. A step's reversal holds its input, its tape and the adjoint of its
-    # output (y = 1 by rule 5); the last step's adjoint (the seed) is its backward transient, as its
-    # output, the loss, has no size here. Regions then hold one slot and leave their inside the same
+    # output (y = 1 by costs.py's [backward peak]); the last step's adjoint (the seed) is its backward
+    # transient, as its output, the loss, has no size here. Regions then hold one slot and leave their inside the same
     # room, exactly Revolve's recursion; each step's forward costs 1 s, so time counts recomputations.
     step = BlockCosts(name="step", input_bytes=1, output_bytes=1, saved_bytes=tape, forward_time_s=1.0)
     last = BlockCosts(name="last", input_bytes=1, output_bytes=0, saved_bytes=tape, forward_time_s=1.0,

@@ -22,7 +22,12 @@ def worker_env() -> dict[str, str]:
 def run_worker(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
     """Run state_workers.py in a fresh process; fail the test with its stderr if it fails."""
     done = subprocess.run(
-        [sys.executable, WORKERS, *args], check=False, capture_output=True, text=True, env=worker_env(), timeout=timeout_s
+        [sys.executable, WORKERS, *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=worker_env(),
+        timeout=timeout_s,
     )
     assert done.returncode == 0, f"worker {args[0]} failed ({done.returncode}):\n{done.stderr[-4000:]}"
     return done

@@ -256,8 +256,8 @@ def _worker_env() -> dict[str, str]:
 
 
 def run_kill_trials(base_dir: str, trials: int, seed: int, max_delay_s: float = 0.5) -> list[dict[str, Any]]:
-    """Kill -9 ``trials`` writers (by trial number: sync, async, async_staging saves in turn) at random moments, then verify
-    every run dir in a fresh process.
+    """Kill -9 ``trials`` writers (by trial number: sync, async, async_staging saves in turn) at random moments,
+    then verify every run dir in a fresh process.
 
     Writers are forked from one zygote process that imported torch once, so a trial
     costs its random delay, not an interpreter start-up. Each writer is a real

@@ -15,6 +15,7 @@ from state_workers import bitwise_equal
 
 import torchckpt.state.storage as storage_module
 from torchckpt.state import Checkpointer, CheckpointWriteError
+from torchckpt.state.format import parse_step_dir_name, step_dir_name
 
 
 def test_async_save_captures_state_before_training_continues(run_dir):
@@ -43,11 +44,12 @@ def test_second_async_save_waits_for_the_first(run_dir, monkeypatch):
     model = tiny_model()
     with Checkpointer(run_dir, async_save=True) as ckpt:
         ckpt.save(1, model=model)
-        assert not os.path.exists(os.path.join(run_dir, "step-000000001"))  # blocked in the background
+        assert not os.path.exists(os.path.join(run_dir, step_dir_name(1)))  # blocked in the background
         threading.Timer(0.1, gate.set).start()
         ckpt.save(2, model=model)  # must wait until step 1 is committed
-        assert os.path.isdir(os.path.join(run_dir, "step-000000001"))
-    assert sorted(n for n in os.listdir(run_dir) if n.startswith("step-")) == ["step-000000001", "step-000000002"]
+        assert os.path.isdir(os.path.join(run_dir, step_dir_name(1)))
+    committed = sorted(n for n in os.listdir(run_dir) if parse_step_dir_name(n) is not None)
+    assert committed == [step_dir_name(1), step_dir_name(2)]
 
 
 def _failing_writer(fail_after_bytes: int):
@@ -95,7 +97,9 @@ def small_tmpfs(tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     mount_point = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
     mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)], check=False, capture_output=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)], check=False, capture_output=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"mount not permitted here: {mounted.stderr.decode().strip()}")
     try:

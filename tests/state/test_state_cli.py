@@ -11,6 +11,7 @@ from state_helpers import tiny_model, trained
 from state_workers import bitwise_equal
 
 from torchckpt.state import Checkpointer
+from torchckpt.state.format import step_dir_name
 
 
 def test_ls_shows_steps_sizes_metrics_validity(run_dir, capsys):
@@ -18,7 +19,7 @@ def test_ls_shows_steps_sizes_metrics_validity(run_dir, capsys):
     with Checkpointer(run_dir) as ckpt:
         ckpt.save(10, model=model, metrics={"loss": 0.5})
         ckpt.save(20, model=model, metrics={"loss": 0.25})
-    with open(os.path.join(run_dir, "step-000000020", "model.safetensors"), "ab") as handle:
+    with open(os.path.join(run_dir, step_dir_name(20), "model.safetensors"), "ab") as handle:
         handle.write(b"x")
     assert run_cli(["ls", run_dir]) == 0
     out = capsys.readouterr().out
@@ -57,7 +58,8 @@ def test_import_torch_save_file_then_restore(tmp_path, capsys):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     trained(model, optimizer)
     source = tmp_path / "legacy.pt"
-    torch.save({"model_state_dict": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 12, "epoch": 3}, source)
+    legacy = {"model_state_dict": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 12, "epoch": 3}
+    torch.save(legacy, source)
     run_dir = str(tmp_path / "run")
     assert run_cli(["import", str(source), run_dir]) == 0
     assert "as step 12" in capsys.readouterr().out

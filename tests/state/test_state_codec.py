@@ -41,7 +41,10 @@ def _round_trip(tree):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_tensors_round_trip_bitwise(dtype):
-    source = torch.randint(0, 200, (3, 5), dtype=torch.int64).to(dtype) if not dtype.is_floating_point else (torch.randn(3, 5) * 100).to(dtype)
+    if dtype.is_floating_point:
+        source = (torch.randn(3, 5) * 100).to(dtype)
+    else:
+        source = torch.randint(0, 200, (3, 5), dtype=torch.int64).to(dtype)
     tree = {"t": source, "scalar": source[0, 0].clone(), "empty": source[:0], "strided": source.t()}
     back = _round_trip(tree)
     assert bitwise_equal(back["t"], source)

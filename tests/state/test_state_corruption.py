@@ -18,7 +18,7 @@ from torchckpt.state import (
     CheckpointFallbackWarning,
     verify_checkpoint,
 )
-from torchckpt.state.format import canonical_json, hash_bytes
+from torchckpt.state.format import CORRUPT_PREFIX, canonical_json, hash_bytes, step_dir_name
 
 
 def _truncate(path):
@@ -76,8 +76,8 @@ def two_steps(run_dir):
 @pytest.mark.parametrize("damage", DAMAGES, ids=[d[0] for d in DAMAGES])
 def test_damage_is_named_by_verify_and_restore_falls_back(run_dir, two_steps, damage, capsys):
     _, apply, target, named, words = damage
-    apply(os.path.join(run_dir, "step-000000002", target))
-    named_path = os.path.join(run_dir, "step-000000002", named)
+    apply(os.path.join(run_dir, step_dir_name(2), target))
+    named_path = os.path.join(run_dir, step_dir_name(2), named)
 
     [info] = verify_checkpoint(run_dir, step=2)
     assert not info.valid and named_path in info.problem and words in info.problem
@@ -102,25 +102,25 @@ def test_damage_is_named_by_verify_and_restore_falls_back(run_dir, two_steps, da
 
 
 def test_flipped_byte_passes_fast_but_not_full_verification(run_dir, two_steps):
-    _flip_byte(os.path.join(run_dir, "step-000000002", "model.safetensors"))
+    _flip_byte(os.path.join(run_dir, step_dir_name(2), "model.safetensors"))
     assert verify_checkpoint(run_dir, step=2, verify="fast")[0].valid
     assert not verify_checkpoint(run_dir, step=2, verify="full")[0].valid
 
 
 def test_every_step_corrupt_is_an_error_not_a_fresh_start(run_dir, two_steps):
     for step in (1, 2):
-        _truncate(os.path.join(run_dir, f"step-00000000{step}", "model.safetensors"))
+        _truncate(os.path.join(run_dir, step_dir_name(step), "model.safetensors"))
     with Checkpointer(run_dir) as ckpt, pytest.raises(CheckpointCorruptError, match="no valid checkpoint among 2 step"):
         ckpt.restore(model=tiny_model())
 
 
 def test_resaving_over_a_corrupt_step_moves_it_aside(run_dir, two_steps):
-    _truncate(os.path.join(run_dir, "step-000000002", "model.safetensors"))
+    _truncate(os.path.join(run_dir, step_dir_name(2), "model.safetensors"))
     model = tiny_model(3)
     with Checkpointer(run_dir) as ckpt:
         with pytest.warns(CheckpointFallbackWarning):
             assert ckpt.restore(model=model, rng=False) == 1
         ckpt.save(2, model=model)
         assert ckpt.restore(model=tiny_model(4), rng=False) == 2
-    assert any(name.startswith(".corrupt-step-000000002") for name in os.listdir(run_dir))
+    assert any(name.startswith(CORRUPT_PREFIX + step_dir_name(2)) for name in os.listdir(run_dir))
     assert verify_checkpoint(run_dir, step=2)[0].valid

@@ -10,6 +10,7 @@ from state_helpers import tiny_model
 from state_workers import bitwise_equal
 
 from torchckpt.state import Checkpointer, CheckpointLockedError, verify_checkpoint
+from torchckpt.state.format import step_dir_name
 
 fsspec = pytest.importorskip("fsspec")
 
@@ -46,9 +47,9 @@ def test_step_without_manifest_is_ignored_then_cleaned(memory_url):
         ckpt.save(1, model=model)
     fs = fsspec.filesystem("memory")
     root = memory_url.removeprefix("memory://")
-    fs.pipe_file(f"{root}/step-000000002/model.safetensors", b"half written")  # crashed before its manifest
+    fs.pipe_file(f"{root}/{step_dir_name(2)}/model.safetensors", b"half written")  # crashed before its manifest
     with Checkpointer(memory_url) as ckpt:  # start-up removes it
-        assert not fs.exists(f"{root}/step-000000002")
+        assert not fs.exists(f"{root}/{step_dir_name(2)}")
         assert ckpt.restore(model=tiny_model(3)) == 1
 
 

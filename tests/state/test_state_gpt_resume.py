@@ -60,5 +60,7 @@ def test_gpt_killed_three_times_resumes_bit_exactly(tmp_path):
             del stitched[segment["restored"]:]  # steps redone after the resume replace the lost ones
         stitched.extend(segment["losses"][step] for step in range(first, last + 1))
         for step, loss in segment["losses"].items():
-            assert loss == reference[step], f"segment {number}, step {step}: loss {loss} != uninterrupted {reference[step]}"
+            assert loss == reference[step], (
+                f"segment {number}, step {step}: loss {loss} != uninterrupted {reference[step]}"
+            )
     assert stitched == [reference[step] for step in range(1, TOTAL_STEPS + 1)]

@@ -1,4 +1,5 @@
-"""The zero-copy write/read paths of issue 4: pieces, hashes, staging, old manifests, real safetensors."""
+"""The zero-copy write/read paths (codec.py's [zero copy both ways]): pieces, hashes, staging, old manifests,
+real safetensors."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from torchckpt.state.format import (
     canonical_json,
     hash_bytes,
     new_hasher,
+    step_dir_name,
 )
 from torchckpt.state.staging import HostStaging
 from torchckpt.state.storage import PIECE_BYTES
@@ -66,7 +68,7 @@ def test_zero_copy_writer_output_is_read_by_reference_safe_open(run_dir, async_s
     model, optimizer = large_model_and_optimizer()
     with Checkpointer(run_dir, async_save=async_save) as ckpt:
         ckpt.save(1, model=model, optimizer=optimizer)
-    step_dir = os.path.join(run_dir, "step-000000001")
+    step_dir = os.path.join(run_dir, step_dir_name(1))
     assert os.path.getsize(os.path.join(step_dir, "model.safetensors")) > PIECE_BYTES  # several pieces
     with safetensors.safe_open(os.path.join(step_dir, "model.safetensors"), framework="pt") as handle:
         loaded = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (safe_open has no __iter__)
@@ -174,7 +176,7 @@ def test_flip_in_a_later_piece_is_detected_by_full_verify_only(run_dir):
     model, _ = large_model_and_optimizer()
     with Checkpointer(run_dir) as ckpt:
         ckpt.save(1, model=model)
-    path = os.path.join(run_dir, "step-000000001", "model.safetensors")
+    path = os.path.join(run_dir, step_dir_name(1), "model.safetensors")
     with open(path, "r+b") as handle:  # a byte in the second 16 MiB piece
         handle.seek(PIECE_BYTES + 12_345)
         byte = handle.read(1)
@@ -204,7 +206,7 @@ def test_checkpoint_written_with_the_old_sha256_default_still_verifies_and_resto
     model, optimizer = large_model_and_optimizer()
     with Checkpointer(run_dir) as ckpt:
         ckpt.save(1, model=model, optimizer=optimizer)
-    step_dir = os.path.join(run_dir, "step-000000001")
+    step_dir = os.path.join(run_dir, step_dir_name(1))
     _rewrite_manifest_as_sha256(step_dir)
     assert verify_checkpoint(run_dir, step=1, verify="full")[0].valid
     restored, restored_optimizer = large_model_and_optimizer(seed=3)
@@ -212,7 +214,7 @@ def test_checkpoint_written_with_the_old_sha256_default_still_verifies_and_resto
         assert ckpt.restore(model=restored, optimizer=restored_optimizer) == 1
         ckpt.save(2, model=restored, optimizer=restored_optimizer)  # new steps use the new default
     assert bitwise_equal(restored.state_dict(), model.state_dict())
-    assert json.loads(Path(run_dir, "step-000000002", "manifest.json").read_text())["hash_algorithm"] == "xxh3_128"
+    assert json.loads(Path(run_dir, step_dir_name(2), "manifest.json").read_text())["hash_algorithm"] == "xxh3_128"
     with open(os.path.join(step_dir, "model.safetensors"), "r+b") as handle:
         handle.seek(-5, os.SEEK_END)
         handle.write(b"\x00\x01\x02\x03\x04")

@@ -20,7 +20,7 @@ from torchckpt.state import (
     UnsafeFileError,
     import_torch_save,
 )
-from torchckpt.state.format import canonical_json, hash_bytes
+from torchckpt.state.format import canonical_json, hash_bytes, parse_step_dir_name, step_dir_name
 
 
 class _Payload:
@@ -66,7 +66,7 @@ def test_planted_pickle_is_refused_and_never_runs(run_dir, tmp_path, target):
     with Checkpointer(run_dir) as ckpt:
         ckpt.save(1, model=model, optimizer=optimizer)
     marker = tmp_path / f"ran-{target}"
-    _plant(os.path.join(run_dir, "step-000000001"), target, _malicious_bytes(str(marker)))
+    _plant(os.path.join(run_dir, step_dir_name(1)), target, _malicious_bytes(str(marker)))
 
     expected = f"{target}: expected a torchckpt file, found a Python pickle"
     with Checkpointer(run_dir) as ckpt, pytest.raises(UnsafeFileError, match=expected) as caught:
@@ -86,4 +86,5 @@ def test_import_refuses_code_carrying_torch_save_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "refused it" in err and "Traceback" not in err
     assert not marker.exists()
-    assert not (tmp_path / "run").exists() or not [n for n in os.listdir(tmp_path / "run") if n.startswith("step-")]
+    run = tmp_path / "run"
+    assert not run.exists() or not [n for n in os.listdir(run) if parse_step_dir_name(n) is not None]

@@ -10,10 +10,11 @@ import pytest
 from state_helpers import tiny_model
 
 from torchckpt.state import Checkpointer, CheckpointerConfig
+from torchckpt.state.format import parse_step_dir_name
 
 
 def _saved(run_dir):
-    return sorted(int(n[5:]) for n in os.listdir(run_dir) if n.startswith("step-"))
+    return sorted(s for s in map(parse_step_dir_name, os.listdir(run_dir)) if s is not None)
 
 
 def test_every_n_steps(run_dir):

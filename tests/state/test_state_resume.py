@@ -44,7 +44,9 @@ def _reference(tmp_path, variant: str) -> dict[int, str]:
     return segment["losses"]
 
 
-def _start_and_interrupt(run_dir: str, log: str, variant: str, at_step: int, how: signal.Signals, delay_s: float) -> int:
+def _start_and_interrupt(
+    run_dir: str, log: str, variant: str, at_step: int, how: signal.Signals, delay_s: float
+) -> int:
     process = subprocess.Popen(
         [sys.executable, WORKERS, "train", run_dir, log, variant, str(TOTAL_STEPS)],
         env=worker_env(), stderr=subprocess.PIPE, text=True,

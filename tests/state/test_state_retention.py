@@ -8,6 +8,7 @@ import pytest
 from state_helpers import tiny_model
 
 from torchckpt.state import Checkpointer, RetentionPolicy
+from torchckpt.state.format import TMP_PREFIX, parse_step_dir_name, step_dir_name
 from torchckpt.state.retention import steps_to_keep
 
 LOSSES = {1: 5.0, 2: 4.0, 3: 0.5, 4: 3.0, 5: 2.0, 6: 2.5, 7: 9.0}
@@ -45,7 +46,7 @@ def test_bad_policies_are_named(options, message):
 
 
 def _steps_on_disk(run_dir):
-    return sorted(int(n[5:]) for n in os.listdir(run_dir) if n.startswith("step-"))
+    return sorted(s for s in map(parse_step_dir_name, os.listdir(run_dir)) if s is not None)
 
 
 def test_checkpointer_applies_all_rules(run_dir):
@@ -68,9 +69,9 @@ def test_corrupt_steps_and_saves_in_flight_are_never_deleted(run_dir):
     model = tiny_model()
     with Checkpointer(run_dir, keep_last=1) as ckpt:
         ckpt.save(1, model=model)
-        with open(os.path.join(run_dir, "step-000000001", "model.safetensors"), "ab") as handle:
+        with open(os.path.join(run_dir, step_dir_name(1), "model.safetensors"), "ab") as handle:
             handle.write(b"junk")  # step 1 is now corrupt
-        in_flight = os.path.join(run_dir, ".tmp-step-000000099-other")
+        in_flight = os.path.join(run_dir, f"{TMP_PREFIX}{step_dir_name(99)}-other")
         os.mkdir(in_flight)  # stands for a save still being written
         for step in (2, 3, 4):
             ckpt.save(step, model=model)

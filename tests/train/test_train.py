@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from torchckpt.state.format import parse_step_dir_name, step_dir_name
 from torchckpt.train import TrainConfig, read_losses, train
 
 # Tiny and single-threaded: on a shared 2-core machine, 2 OpenMP threads make tiny ops ~50x slower.
@@ -76,7 +77,7 @@ def test_sigterm_saves_resume_is_bit_exact_finished_run_is_reported_more_steps_c
     assert stopped < 6
     resumed = _run(run_dir, "--steps", "6")  # resumes, and stops earlier than the reference
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from {run_dir / 'checkpoints'}/step-{stopped:09d}" in resumed.stdout
+    assert f"resumed from {run_dir / 'checkpoints'}/{step_dir_name(stopped)}" in resumed.stdout
     assert "reused the plan saved in" in resumed.stdout
     again = _run(run_dir, "--steps", "6")
     assert again.returncode == 0, again.stderr
@@ -84,7 +85,7 @@ def test_sigterm_saves_resume_is_bit_exact_finished_run_is_reported_more_steps_c
     assert "planning" not in again.stdout and "validation loss" in again.stdout
     longer = _run(run_dir, "--steps", str(STEPS))  # continues: the LR schedule does not depend on --steps
     assert longer.returncode == 0, longer.stderr
-    assert f"resumed from {run_dir / 'checkpoints'}/step-{6:09d}" in longer.stdout
+    assert f"resumed from {run_dir / 'checkpoints'}/{step_dir_name(6)}" in longer.stdout
     assert read_losses(run_dir) == reference
 
 
@@ -95,7 +96,8 @@ def test_sigkill_mid_run_then_rerun_gives_the_same_losses(tmp_path: Path, refere
     logged = max(read_losses(run_dir))
     resumed = _run(run_dir, "--steps", str(STEPS))
     assert resumed.returncode == 0, resumed.stderr
-    restored = int(resumed.stdout.split("step-")[1][:9])
+    restored = parse_step_dir_name(Path(resumed.stdout.split("resumed from ")[1].split()[0]).name)
+    assert restored is not None, resumed.stdout
     assert 2 <= restored <= logged and restored % 2 == 0  # from a checkpoint of the killed run
     losses = read_losses(run_dir)
     assert losses == reference

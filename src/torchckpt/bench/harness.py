@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from torchckpt._units import check_positive_int
 from torchckpt.bench.methods import PEER_KINDS, MethodSpec
 from torchckpt.bench.models import (
     FULL_MODELS,
@@ -60,7 +61,7 @@ class BenchConfig:
         >>> BenchConfig(repeats=0)
         Traceback (most recent call last):
         ...
-        ValueError: BenchConfig.repeats must be an int >= 1; got 0
+        ValueError: BenchConfig.repeats must be >= 1; got BenchConfig.repeats=0. Pass a positive count.
     """
 
     models: tuple[str, ...] = FULL_MODELS
@@ -80,9 +81,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         for option in ("repeats", "warmup_steps", "threads"):
-            value = getattr(self, option)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"BenchConfig.{option} must be an int >= 1; got {value!r}")
+            check_positive_int(f"BenchConfig.{option}", getattr(self, option))
         if not isinstance(self.sweep_points, int) or self.sweep_points < 2:
             raise ValueError(f"BenchConfig.sweep_points must be an int >= 2 (the floor and the plain peak); "
                              f"got {self.sweep_points!r}")
@@ -339,11 +338,12 @@ def _machine() -> dict[str, Any]:
 
 
 def run_benchmark(config: BenchConfig, log: Callable[[str], None] = print,
-                  after_model: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                  after_model: Callable[[dict[str, Any]], object] | None = None) -> dict[str, Any]:
     """Run the benchmark described by ``config``; return the results (not yet written; see ``report``).
 
     Models left when ``config.time_cap_s`` has passed are recorded as skipped, not run.
-    ``after_model(results)`` is called after each model (the command line writes partial reports there).
+    ``after_model(results)`` is called after each model (the command line writes partial reports there);
+    what it returns is ignored.
 
     Example:
         >>> results = run_benchmark(BenchConfig.quick_preset(models=("gpt-tiny",)), log=lambda s: None)

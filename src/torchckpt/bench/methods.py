@@ -23,7 +23,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -59,7 +59,8 @@ class MethodSpec:
         if self.kind not in _KINDS:
             raise ValueError(f"MethodSpec.kind={self.kind!r}: use one of {', '.join(_KINDS)}")
         if self.kind == "compile" and not (self.compile_budget is not None and 0 <= self.compile_budget <= 1):
-            raise ValueError(f"MethodSpec(kind='compile').compile_budget must be in [0, 1]; got {self.compile_budget!r}")
+            raise ValueError(f"MethodSpec(kind='compile').compile_budget must be in [0, 1]; "
+                             f"got {self.compile_budget!r}")
         if self.kind == "torchckpt" and not self.plan_path:
             raise ValueError("MethodSpec(kind='torchckpt') needs plan_path, the plan's JSON file")
 
@@ -110,7 +111,7 @@ def _set_forward(module: nn.Module, forward: Callable[..., Any], undo: list[nn.M
 
 def _every_block(blocks: list[nn.Module], context_fn: Callable[[], Any] | None) -> list[nn.Module]:
     undo: list[nn.Module] = []
-    extra = {} if context_fn is None else {"context_fn": context_fn}
+    extra: dict[str, Any] = {} if context_fn is None else {"context_fn": context_fn}
     for block in blocks:
         _set_forward(block, functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
                                               use_reentrant=False, **extra), undo)
@@ -166,15 +167,18 @@ def apply_method(spec: MethodSpec, model: nn.Module, blocks: list[nn.Module],
     elif spec.kind == "dots_saveable":
         handle = torchckpt.checkpoint_modules(blocks, policy="dots_saveable")
     elif spec.kind == "torchckpt":
+        assert spec.plan_path is not None  # MethodSpec.__post_init__ requires it for this kind
         plan = torchckpt.Plan.load(spec.plan_path, model, inputs)
         handle = torchckpt.apply(model, plan)
     elif spec.kind == "compile":
         import torch._functorch.config as functorch_config
         import torch._inductor.config as inductor_config
 
+        assert spec.compile_budget is not None  # MethodSpec.__post_init__ requires it for this kind
         functorch_config.activation_memory_budget = spec.compile_budget
         inductor_config.fallback_random = True  # eager's RNG: the same dropout masks as every other method
-        runnable = torch.compile(model)
+        # torch.compile of a Module returns an OptimizedModule (a Module); its stub only says Callable.
+        runnable = cast(nn.Module, torch.compile(model))
 
     def undo() -> None:
         for module in undo_modules:

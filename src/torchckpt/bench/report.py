@@ -84,7 +84,7 @@ def _speed(models: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         peer = next((r for r in model.get("runs", []) if r["kind"] == "every_block"), None)
         plan, how = _plan_at(model, peer) if peer is not None and _ok(peer) else (None, "every block did not run")
-        if plan is None:
+        if peer is None or plan is None:
             rows.append({"model": model["name"], "met": False, "detail": f"not measured: {_brief(how, 120)}"})
             continue
         speed = peer["step_time"]["median"] / plan["step_time"]["median"]
@@ -145,7 +145,8 @@ def _row(run: dict[str, Any], none_peak: int | None) -> str:
     predicted = ""
     if run["kind"] == "torchckpt":
         predicted = f"{_bytes(run['predicted_peak_bytes'])} ({run['prediction_error']:+.1%})"
-    within = {True: "yes", False: "**NO**"}.get(run.get("within_budget"), "")
+    within_budget = run.get("within_budget")
+    within = "" if within_budget is None else "yes" if within_budget else "**NO**"
     grads = "bitwise" if run.get("equal") else f"differ (max {run.get('max_abs_diff', float('nan')):.2g})"
     note = f"same plan as {run['same_plan_as']}" if run.get("same_plan_as") else run.get("meter_note", "")[:60]
     return (f"| {run['label']} | ok | {_bytes(peak)} | {share} | {_bytes(run.get('peak_rss_bytes'))} | "

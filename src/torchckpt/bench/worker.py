@@ -5,15 +5,18 @@ the warm-up steps and answers ``("ready", info)``; then it answers each command 
 with ``("ok", result)`` or ``("error", message)`` until ``close``. A method that does not apply to the
 model answers ``("n/a", reason)`` instead of ready and exits.
 
-Fairness rules kept here (bench/README.md lists them all):
+Fairness rules kept here (bench/README.md lists them all; named in ``docs/design.md``):
 
-1. Every process builds the model and batch from the same seed, uses AdamW(lr=1e-4) and runs the same
-   sequence of steps: ``warmup`` training steps, one measured step (its gradients are compared), then
-   timed steps. Each step seeds the RNG first (same dropout masks everywhere); so methods that compute
-   exactly the same gradients keep exactly the same parameters throughout.
-2. Peak memory is measured on its own step (the meter's dispatch mode slows a step down); timed steps
-   run without it. The reference gradients are loaded after the forward+backward peak is read. A timed step is forward, backward, ``optimizer.step()`` and ``zero_grad``.
-3. Peak process RSS is read around every timed step (high-water mark reset first).
+1. **[same seed, same steps]** Every process builds the model and batch from the same seed, uses
+   AdamW(lr=1e-4) and runs the same sequence of steps: ``warmup`` training steps, one measured step (its
+   gradients are compared), then timed steps. Each step seeds the RNG first (same dropout masks
+   everywhere); so methods that compute exactly the same gradients keep exactly the same parameters
+   throughout.
+2. **[peak on its own step]** Peak memory is measured on its own step (the meter's dispatch mode slows a
+   step down); timed steps run without it. The reference gradients are loaded after the forward+backward
+   peak is read. A timed step is forward, backward, ``optimizer.step()`` and ``zero_grad``.
+3. **[RSS around every timed step]** Peak process RSS is read around every timed step (high-water mark
+   reset first).
 """
 
 from __future__ import annotations
@@ -190,8 +193,8 @@ def make_plans(model_name: str, peer_budgets: dict[str, int], sweep_points: int,
             path = Path(out_dir) / f"plan-{i}.json"
             made.save(path)
             item.update(plan_path=str(path), predicted_peak_bytes=made.predicted_peak_bytes,
-                        predicted_extra_time_s=made.predicted_extra_time_s, schedule=json.loads(made.to_json())["schedule"],
-                        table=made.table())
+                        predicted_extra_time_s=made.predicted_extra_time_s,
+                        schedule=json.loads(made.to_json())["schedule"], table=made.table())
         item["solve_s"] = time.perf_counter() - start
         plans.append(item)
     return {"profile_s": profile_s, "floor_bytes": floor, "plain_predicted_peak_bytes": int(plain),

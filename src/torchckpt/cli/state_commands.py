@@ -104,7 +104,8 @@ def _run_ls(args: argparse.Namespace) -> int:
         table.add_column(column, overflow="fold")
     for info in infos:
         metrics = " ".join(f"{k}={v:.6g}" for k, v in info.metrics.items())
-        table.add_row(str(info.step), _format_time(info.created_unix_s), format_bytes(info.size_bytes), metrics, _valid_text(info))
+        table.add_row(str(info.step), _format_time(info.created_unix_s), format_bytes(info.size_bytes), metrics,
+                      _valid_text(info))
     width = shutil.get_terminal_size(fallback=(160, 24)).columns
     Console(file=sys.stdout, width=max(width, 100)).print(table)
     return 0
@@ -120,7 +121,7 @@ def _run_verify(args: argparse.Namespace) -> int:
             print(f"step {info.step}: OK ({format_bytes(info.size_bytes)})")
             continue
         print(f"step {info.step}: CORRUPT")
-        for path, problem in (info.problems or {info.path: info.problem}).items():
+        for path, problem in (info.problems or {info.path: info.problem or "not valid"}).items():
             print(f"  {path}: {problem}")
     return 0 if all(info.valid for info in infos) else 1
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from torchckpt.cli import positive_int
 from torchckpt.models import GPT_SIZES
 
 
@@ -47,24 +48,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--size", default="mini", choices=list(GPT_SIZES), help="built-in GPT size (default mini)")
     parser.add_argument("--model", default=None, help="path/to/file.py:factory: your model instead of the "
                                                        "built-in GPT; model(ids, targets) must return the loss")
-    parser.add_argument("--batch-size", type=_positive_int, default=16)
-    parser.add_argument("--seq-len", type=_positive_int, default=256)
-    parser.add_argument("--steps", type=_positive_int, default=100, help="train until this step (default 100)")
-    parser.add_argument("--save-every", type=_positive_int, default=25, help="checkpoint every N steps (default 25)")
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--seq-len", type=positive_int, default=256)
+    parser.add_argument("--steps", type=positive_int, default=100, help="train until this step (default 100)")
+    parser.add_argument("--save-every", type=positive_int, default=25, help="checkpoint every N steps (default 25)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate after a 20-step warm-up")
     parser.add_argument("--dir", default="runs/demo", help="run directory (default runs/demo)")
-    parser.add_argument("--threads", type=_positive_int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="CPU threads (default: PyTorch's choice); resume with the same number for bitwise "
                              "equal losses")
     parser.set_defaults(func=_run)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}")
-    return value

@@ -3,31 +3,36 @@
 ``checkpoint(fn, *args, policy=...)`` runs ``fn`` without keeping its intermediate activations, except
 the op outputs the policy keeps, and recomputes the rest when the backward pass needs them.
 
-Design rules (numbered so code and tests can point at them):
+Design rules (named so code and tests can point at them; collected in docs/design.md):
 
-1. Always non-reentrant: built on ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, so
-   kwargs, nested structures, non-tensor outputs, inputs that do not require grad, nested checkpoints
-   and ``torch.autograd.grad`` all work. The reentrant variant is refused (it loses parameter gradients
-   when no input requires grad, and it does not support ``torch.autograd.grad``).
-2. RNG state is stashed at the forward and restored for recomputation, so dropout inside gives the
-   same masks, and gradients bitwise equal to the uncheckpointed function.
-3. A region runs under two dispatch modes of ours: the forward mode records every op (name, output
-   shapes and dtypes) and keeps the outputs the policy chooses; the recompute mode replays them in
-   order, serves kept outputs from the cache and checks every recomputed op against the record, so a
-   function whose recomputation differs from its forward fails loudly, naming the op and the tensor.
-4. ``aten.detach`` is invisible to both modes: autograd's own bookkeeping detaches saved tensors during
-   recomputation but not during the forward pass.
-5. The policy rules of ``policies.py`` (views, in-place and random ops are never kept; kept values
-   modified in place later, inside or after the region, are recomputed instead of served).
-6. A checkpoint nested inside another checkpointed region keeps nothing (its policy acts as
-   ``nothing_saveable``). Its cache would be a plain Python reference that the enclosing region's
-   saved-tensor hooks cannot see, so it would stay alive through the whole forward pass and defeat
-   the enclosing checkpoint; the enclosing region recomputes the inner one anyway. Inputs of the
-   inner region are saved through autograd by PyTorch, so the enclosing region holds only its own
-   inputs, as nesting promises.
-7. A kept output is handed over once: recomputation takes it out of the cache, so autograd frees it
-   as the backward pass goes, exactly like a tensor it saved itself. A second backward through the
-   same graph (``retain_graph=True``) recomputes it instead.
+1. **[non-reentrant only]** Always non-reentrant: built on
+   ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, so kwargs, nested structures, non-tensor
+   outputs, inputs that do not require grad, nested checkpoints and ``torch.autograd.grad`` all work.
+   The reentrant variant is refused (it loses parameter gradients when no input requires grad, and it
+   does not support ``torch.autograd.grad``).
+2. **[recomputation replays the RNG]** RNG state is stashed at the forward and restored for
+   recomputation, so dropout inside gives the same masks, and gradients bitwise equal to the
+   uncheckpointed function.
+3. **[recomputation is checked]** A region runs under two dispatch modes of ours: the forward mode
+   records every op (name, output shapes and dtypes) and keeps the outputs the policy chooses; the
+   recompute mode replays them in order, serves kept outputs from the cache and checks every recomputed
+   op against the record, so a function whose recomputation differs from its forward fails loudly,
+   naming the op and the tensor.
+4. **[detach is invisible]** ``aten.detach`` is invisible to both modes: autograd's own bookkeeping
+   detaches saved tensors during recomputation but not during the forward pass.
+5. **[the executor overrides the policy]** The policy rules of ``policies.py`` hold whatever the policy
+   says: Note: [no view, in-place or random op is kept] and Note: [a value written in place is recomputed]
+   (views, in-place and random ops are never kept; kept values modified in place later, inside or after
+   the region, are recomputed instead of served).
+6. **[nested checkpoints keep nothing]** A checkpoint nested inside another checkpointed region keeps
+   nothing (its policy acts as ``nothing_saveable``). Its cache would be a plain Python reference that
+   the enclosing region's saved-tensor hooks cannot see, so it would stay alive through the whole
+   forward pass and defeat the enclosing checkpoint; the enclosing region recomputes the inner one
+   anyway. Inputs of the inner region are saved through autograd by PyTorch, so the enclosing region
+   holds only its own inputs, as nesting promises.
+7. **[kept outputs are handed over once]** A kept output is handed over once: recomputation takes it
+   out of the cache, so autograd frees it as the backward pass goes, exactly like a tensor it saved
+   itself. A second backward through the same graph (``retain_graph=True``) recomputes it instead.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -124,19 +129,23 @@ class CheckpointRecord:
                 self.cache_storages.setdefault(key, set()).add(index)
 
     def forget_mutated(self, args: tuple, kwargs: dict) -> None:
-        """Rule 5: a kept value written in place is dropped, so recomputation rebuilds it."""
+        """A kept value written in place is dropped, so recomputation rebuilds it.
+        Note: [the executor overrides the policy]."""
         for value in tree_flatten((args, kwargs))[0]:
             if isinstance(value, torch.Tensor):
-                for index in self.cache_storages.pop(_storage_key(value), ()):
+                key = _storage_key(value)
+                for index in self.cache_storages.pop(key, ()) if key is not None else ():
                     self.cache.pop(index, None)
 
     def serve(self, index: int) -> Any | None:
-        """Hand a kept output to recomputation and drop the cache's reference (rule 7); None when the
-        value was modified in place since it was kept (even after the region returned): recompute it."""
+        """Hand a kept output to recomputation and drop the cache's reference; None when the value was
+        modified in place since it was kept (even after the region returned): recompute it.
+        Note: [kept outputs are handed over once]."""
         spec, flat = self.cache.pop(index)
         versions = self.cache_versions.pop(index)
         for value in flat:
-            indices = self.cache_storages.get(_storage_key(value))
+            key = _storage_key(value)
+            indices = self.cache_storages.get(key) if key is not None else None
             if indices is not None:
                 indices.discard(index)
         if [v._version for v in flat] != versions:
@@ -157,7 +166,8 @@ def _is_keepable(func: Any, tag_name: str | None) -> bool:
 
 def can_keep(func: Any, flat: list[Any], tag_name: str | None) -> bool:
     """Whether a policy is asked about this op at all: every output is a tensor and the op is not a view,
-    in-place or random op (policies.py rule 1). The profiler offers the planner only ops that pass.
+    in-place or random op (Note: [no view, in-place or random op is kept]). The profiler offers the planner only
+    ops that pass.
 
     Example:
         >>> x = torch.ones(2, 2)
@@ -167,6 +177,9 @@ def can_keep(func: Any, flat: list[Any], tag_name: str | None) -> bool:
     return bool(flat) and all(isinstance(v, torch.Tensor) for v in flat) and _is_keepable(func, tag_name)
 
 
+_ModeT = TypeVar("_ModeT", bound="_RegionMode")
+
+
 class _RegionMode(TorchDispatchMode):
     """Shared enter/exit: count active regions so ``tag`` knows whether to act."""
 
@@ -174,7 +187,7 @@ class _RegionMode(TorchDispatchMode):
         super().__init__()
         self.region = region
 
-    def __enter__(self) -> _RegionMode:
+    def __enter__(self: _ModeT) -> _ModeT:
         entered = super().__enter__()
         TAG_STATE.active_regions += 1
         return entered
@@ -242,11 +255,14 @@ class _RecomputeMode(_RegionMode):
         found = _describe_outputs(flat)
         if found == record.outputs:
             return
-        for position, (before, after) in enumerate(zip(record.outputs, found)):
-            if before != after:
+        # the first output that differs; when every paired one matches, the counts differ
+        before: Any
+        after: Any
+        position, before, after = len(found), record.outputs, found
+        for i, (recorded, recomputed) in enumerate(zip(record.outputs, found)):
+            if recorded != recomputed:
+                position, before, after = i, recorded, recomputed
                 break
-        else:
-            position, before, after = len(found), record.outputs, found
         raise RecomputationMismatchError(
             f"checkpoint: recomputing {self.region.fn_name} produced a different tensor than its forward pass: "
             f"output {position} of op #{index} ({record.name}) had {_fmt(before)} in the forward pass and "
@@ -288,7 +304,7 @@ def checkpoint(
         policy: what to keep: None (= ``"nothing_saveable"``), a policy name, a :class:`Policy` or a
             callable ``(OpInfo) -> bool``. ``"everything_saveable"`` runs ``fn`` plainly.
         preserve_rng_state: restore RNG state for recomputation (dropout gives identical masks).
-        use_reentrant: only ``False`` is accepted (rule 1).
+        use_reentrant: only ``False`` is accepted (Note: [non-reentrant only]).
 
     Example:
         >>> layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
@@ -309,7 +325,7 @@ def checkpoint(
     resolved = resolve_policy(policy)
     if resolved is everything_saveable or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    if TAG_STATE.active_regions:  # rule 6
+    if TAG_STATE.active_regions:  # Note: [nested checkpoints keep nothing]
         resolved = nothing_saveable
     region = CheckpointRecord(policy=resolved, fn_name=function_name(fn))
     return run_recorded(region, fn, args, kwargs, preserve_rng_state)

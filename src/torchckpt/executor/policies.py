@@ -4,14 +4,16 @@ The names and meanings follow ``jax.checkpoint_policies``. A policy is a callabl
 :class:`OpInfo` (an op that just ran in the forward pass of a checkpointed region) and returns ``True``
 to keep its outputs for the backward pass, ``False`` to recompute them.
 
-Rules the executor applies around any policy (see ``checkpoint.py``):
+Rules the executor applies around any policy (see ``checkpoint.py``, Note: [the executor overrides the policy]):
 
-1. View, in-place and random ops are never kept (a view is free to recompute; keeping an in-place
-   result would skip the mutation; a random op must draw again so later random ops get the same
-   numbers). ``tag`` is the one view that is asked about.
-2. A kept output that is later modified in place (inside the region or after it) is recomputed
-   instead of served, so recomputation always sees the values the forward pass saw.
-3. The policy is asked in the forward pass only; recomputation replays the same decisions by position.
+1. **[no view, in-place or random op is kept]** View, in-place and random ops are never kept (a view is
+   free to recompute; keeping an in-place result would skip the mutation; a random op must draw again
+   so later random ops get the same numbers). ``tag`` is the one view that is asked about.
+2. **[a value written in place is recomputed]** A kept output that is later modified in place (inside
+   the region or after it) is recomputed instead of served, so recomputation always sees the values the
+   forward pass saw.
+3. **[the policy is asked once]** The policy is asked in the forward pass only; recomputation replays
+   the same decisions by position.
 
 Example:
     >>> from torchckpt.executor.policies import resolve_policy
@@ -22,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,7 +172,7 @@ def save_from_both_policies(first: PolicyLike, second: PolicyLike) -> Policy:
     return Policy(f"save_from_both_policies({a.name}, {b.name})", lambda op: a(op) or b(op))
 
 
-def save_ops(indices: frozenset[int] | set[int] | list[int], name: str = "save_ops") -> Policy:
+def save_ops(indices: Iterable[int], name: str = "save_ops") -> Policy:
     """Keep the outputs of the ops at these positions of the region's forward pass.
 
     This is how a plan expresses a selective-checkpoint choice measured by the profiler.

@@ -1,11 +1,13 @@
 """Wrap modules of an unmodified model in checkpoints, in place and removably (``checkpoint_modules``).
 
-Rules:
+Rules (collected in ``docs/design.md``):
 
-1. Wrapping sets an instance attribute ``forward`` on each module; nothing else changes, so
-   ``state_dict`` keys, parameter identity and hooks are untouched (DESIGN invariant 5).
-2. ``remove()`` deletes exactly the attributes it set and is idempotent; a module cannot be wrapped
-   twice (the second wrap would checkpoint inside a checkpoint by accident).
+1. **[wrapping sets only forward]** Wrapping sets an instance attribute ``forward`` on each module;
+   nothing else changes, so ``state_dict`` keys, parameter identity and hooks are untouched
+   (Note: [applying a plan is undoable]).
+2. **[wrap once, remove exactly]** ``remove()`` deletes exactly the attributes it set and is
+   idempotent; a module cannot be wrapped twice (the second wrap would checkpoint inside a checkpoint
+   by accident).
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ class CheckpointHandle:
 
 
 def wrap_forward(module: nn.Module, forward: Callable[..., Any], wrapped: list[nn.Module]) -> None:
-    """Give ``module`` the instance-level ``forward`` and append it to ``wrapped`` (rules 1-2 above).
+    """Give ``module`` the instance-level ``forward`` and append it to ``wrapped``
+    (Note: [wrapping sets only forward], Note: [wrap once, remove exactly]).
 
     On an error every module in ``wrapped`` is unwrapped first, so a half-applied wrap never stays.
 

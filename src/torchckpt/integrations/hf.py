@@ -4,18 +4,19 @@
     hf.enable(model, budget="60%", example_inputs=batch)     # plan + apply; then train as usual (Trainer too)
     hf.disable(model)                                         # the model is exactly as before
 
-Rules kept here:
+Rules kept here (named in ``docs/design.md``):
 
-1. ``enable`` changes nothing but block forwards (instance attributes, DESIGN invariant 5) and, while
-   enabled, ``use_cache`` of the model's config and of every submodule's own config (T5's decoder stack
-   has a copy): False, as HF's own gradient checkpointing requires: a KV cache written in the forward
-   pass makes recomputation differ. Parameters, buffers, train/eval mode and the torch
-   RNG are as before the call (planning takes real steps; they are undone). ``save_pretrained`` writes
-   the same tensors under the same names.
-2. ``disable`` undoes exactly what ``enable`` did; a model is enabled at most once at a time. The
-   enabled models are kept in one explicit registry (weak references, so a model is not kept alive).
-3. HF's own gradient checkpointing and torchckpt's plan do not stack: ``enable`` refuses a model on
-   which ``gradient_checkpointing_enable()`` was called.
+1. **[enable changes only forwards and use_cache]** ``enable`` changes nothing but block forwards
+   (instance attributes, Note: [applying a plan is undoable]) and, while enabled, ``use_cache`` of the
+   model's config and of every submodule's own config (T5's decoder stack has a copy): False, as HF's
+   own gradient checkpointing requires: a KV cache written in the forward pass makes recomputation
+   differ. Parameters, buffers, train/eval mode and the torch RNG are as before the call (planning takes
+   real steps; they are undone). ``save_pretrained`` writes the same tensors under the same names.
+2. **[disable undoes exactly]** ``disable`` undoes exactly what ``enable`` did; a model is enabled at
+   most once at a time. The enabled models are kept in one explicit registry (weak references, so a
+   model is not kept alive).
+3. **[HF checkpointing and plans do not stack]** HF's own gradient checkpointing and torchckpt's plan do
+   not stack: ``enable`` refuses a model on which ``gradient_checkpointing_enable()`` was called.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torchckpt.planner import Plan, apply_plan, plan_without_side_effects
 __all__ = ["HFHandle", "disable", "enable", "is_enabled"]
 
 _log = logging.getLogger("torchckpt.integrations.hf")
-_ENABLED: weakref.WeakKeyDictionary[nn.Module, HFHandle] = weakref.WeakKeyDictionary()  # rule 2
+_ENABLED: weakref.WeakKeyDictionary[nn.Module, HFHandle] = weakref.WeakKeyDictionary()  # [disable undoes exactly]
 
 
 @dataclass(kw_only=True)
@@ -123,7 +124,7 @@ def enable(model: nn.Module, *, budget: int | str, example_inputs: Any, optimize
     if is_enabled(model):
         raise ValueError(f"{type(model).__name__} already runs under torchckpt.integrations.hf.enable; call "
                          "hf.disable(model) first, then enable it again with the new budget")
-    if _hf_checkpointing_on(model):  # rule 3
+    if _hf_checkpointing_on(model):  # [HF checkpointing and plans do not stack]
         raise ValueError(f"{type(model).__name__} has HF gradient checkpointing on; torchckpt's plan replaces it. "
                          "Fix: call model.gradient_checkpointing_disable() (activation_checkpointing_disable() in "
                          "newer transformers) and do not pass gradient_checkpointing=True to TrainingArguments")

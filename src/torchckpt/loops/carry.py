@@ -116,7 +116,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class AutocastState:
-    """Autocast settings of the forward pass, re-entered for every recomputation.
+    """Autocast settings of the forward pass, re-entered for every recomputation (runner.py's
+    [checkpoints hold carry and RNG]).
 
     Example:
         >>> with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -9,29 +9,30 @@ The rule, after Stumm & Walther, "New algorithms for optimal online checkpointin
 Comput. 32(2), 836-854, 2010 (their Algorithm 1), then Wang, Moin & Iaccarino, "Minimal repetition
 dynamic checkpointing algorithm for unsteady adjoint calculation", SIAM J. Sci. Comput. 31(4), 2009:
 
-1. Timing, as in Revolve's online mode: the state x_c is *offered* once the loop is known to run at
-   least c + 2 steps (``cond_fn`` accepted x_{c+1}). The input x_{l-1} of the last step is never
-   needed, because the forward pass's own graph of step l serves its backward; so nothing is lost by
-   deciding one step late, and the held states always lie before x_{l-1}.
-2. Phase one (Stumm & Walther's Algorithm 1, repetition number r <= 2), for x_1 .. x_{beta(s,2)-2},
-   runs in rounds k = 0, 1, ..., s - 1. Round k starts at state f_k (f_0 = 0, already held) and spans
-   s - k + 1 states: f_k is kept for good, evicting the newest state kept by the previous round; the
-   next s - k - 1 states are kept, each evicting the oldest state kept by the previous round (in
-   round 0 the slots are still empty); the round's last state is not kept. So f_{k+1} = f_k + s - k + 1
-   and phase one ends with x_0, f_1, ..., f_{s-1} held, gaps s + 1, s, ..., 3: the offline binomial
-   placement for beta(s, 2) steps.
-3. Guarantee of phase one: for every length l <= beta(s, 2) = binom(s + 2, 2) the reversal costs
-   exactly the offline optimum ``revolve.optimal_step_evaluations(l, s)`` (each segment between held
-   states fits its repetition-number-1 bound: gap_j <= s - j + 1). Stumm & Walther prove this for
-   their Algorithm 1; our tests check it for every l <= beta(s, 2), s <= 10.
-4. Phase two (l > beta(s, 2)): the level rule of Wang, Moin & Iaccarino over W = held states plus the
-   offered one. Phase one's held states enter with level 1 (x_0 is never evicted). Admitting the next
-   state evicts the latest *dispensable* member of W (one with a later member of higher level) and
-   gives the newcomer level 0; with none dispensable, the newest member makes way and the newcomer
-   takes its level + 1. The offered state is kept unless it is the one evicted. This keeps the
-   least repetition number at every length (no step is evaluated more often than under the offline
-   optimum), but the total count can exceed the offline optimum; Stumm & Walther's Algorithm 2, which
-   targets beta(s, 2) < l <= beta(s, 3), is not implemented.
+1. **[deciding late loses nothing]** Timing, as in Revolve's online mode: the state x_c is *offered*
+   once the loop is known to run at least c + 2 steps (``cond_fn`` accepted x_{c+1}). The input x_{l-1}
+   of the last step is never needed, because the forward pass's own graph of step l serves its
+   backward; so nothing is lost by deciding one step late, and the held states always lie before
+   x_{l-1}.
+2. **[phase one is Algorithm 1]** Phase one (Stumm & Walther's Algorithm 1, repetition number r <= 2),
+   for x_1 .. x_{beta(s,2)-2}, runs in rounds k = 0, 1, ..., s - 1. Round k starts at state f_k
+   (f_0 = 0, already held) and spans s - k + 1 states: f_k is kept for good, evicting the newest state kept by
+   the previous round; the next s - k - 1 states are kept, each evicting the oldest state kept by the
+   previous round (in round 0 the slots are still empty); the round's last state is not kept. So
+   f_{k+1} = f_k + s - k + 1 and phase one ends with x_0, f_1, ..., f_{s-1} held, gaps
+   s + 1, s, ..., 3: the offline binomial placement for beta(s, 2) steps.
+3. **[phase one is optimal]** Guarantee of phase one: for every length l <= beta(s, 2) =
+   binom(s + 2, 2) the reversal costs exactly the offline optimum ``revolve.optimal_step_evaluations(l, s)``
+   (each segment between held states fits its repetition-number-1 bound: gap_j <= s - j + 1). Stumm & Walther
+   prove this for their Algorithm 1; our tests check it for every l <= beta(s, 2), s <= 10.
+4. **[phase two is the level rule]** Phase two (l > beta(s, 2)): the level rule of Wang, Moin &
+   Iaccarino over W = held states plus the offered one. Phase one's held states enter with level 1 (x_0
+   is never evicted). Admitting the next state evicts the latest *dispensable* member of W (one with a
+   later member of higher level) and gives the newcomer level 0; with none dispensable, the newest
+   member makes way and the newcomer takes its level + 1. The offered state is kept unless it is the
+   one evicted. This keeps the least repetition number at every length (no step is evaluated more often
+   than under the offline optimum), but the total count can exceed the offline optimum; Stumm &
+   Walther's Algorithm 2, which targets beta(s, 2) < l <= beta(s, 3), is not implemented.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class OnlineDecision:
 
 
 class OnlinePlacement:
-    """Decides, state by state, which states of a loop of unknown length to hold (rules 1-4 above).
+    """Decides, state by state, which states of a loop of unknown length to hold (the rules above).
 
     ``checkpoints`` counts every state held, x_0 included; x_0 is held from the start. Call
     ``offer(c)`` for c = 1, 2, ... once the loop is known to run at least c + 2 steps.
@@ -110,7 +111,7 @@ class OnlinePlacement:
         return decision
 
     def _phase_one(self, state: int) -> OnlineDecision:
-        """Stumm & Walther's Algorithm 1 (rule 2)."""
+        """Stumm & Walther's Algorithm 1 ([phase one is Algorithm 1])."""
         s, k = self.checkpoints, self._round
         if state == self._round_first + s - k:  # the round's last state is not kept; the next round follows
             self._round, self._round_first = k + 1, state + 1
@@ -125,7 +126,7 @@ class OnlinePlacement:
         return OnlineDecision(keep=True, evict=self._previous_round.pop(0))
 
     def _phase_two(self, state: int) -> OnlineDecision:
-        """Wang, Moin & Iaccarino's levels over W = held + offered (rule 4)."""
+        """Wang, Moin & Iaccarino's levels over W = held + offered ([phase two is the level rule])."""
         if self._levels is None:
             self._levels = {i: (_NEVER_EVICTED if i == 0 else 1) for i in self._held}
             self._levels[state] = 1

@@ -14,23 +14,28 @@ evaluations, the first forward sweep included) to reverse ``l`` steps is
 
 Every step is also taped once, so the least number of step evaluations is ``l + p(l, s)``.
 
-Rules this module keeps (our executor, ``torchckpt.loops.runner``, relies on each):
+Rules this module keeps (our executor, ``torchckpt.loops.runner``, relies on each; named in ``docs/design.md``):
 
-1. ``checkpoints`` counts every state held, the initial state x_0 included (Griewank's ``s``).
-2. The planner decides, the executor applies: ``RevolveScheduler`` only returns ``Action`` values;
-   ``revolve_schedule`` is the planner driven by the canonical request order l, l-1, ..., 1, so the
-   schedule it returns is exactly what the executor performs for one backward pass.
-3. A backward request for step j first frees every state at or after x_j (no step <= j needs it), then
-   restores the latest state before j and splits the gap binomially (``optimal_first_advance``).
-4. Requests out of order (a second backward pass with ``retain_graph=True``) stay correct: they
-   restart from the latest state still held, at the price of extra advances.
+1. **[x_0 takes a slot]** ``checkpoints`` counts every state held, the initial state x_0 included
+   (Griewank's ``s``).
+2. **[the scheduler only returns actions]** The planner decides, the executor applies:
+   ``RevolveScheduler`` only returns ``Action`` values; ``revolve_schedule`` is the planner driven by
+   the canonical request order l, l-1, ..., 1, so the schedule it returns is exactly what the executor
+   performs for one backward pass.
+3. **[free, restore, split binomially]** A backward request for step j first frees every state at or
+   after x_j (no step <= j needs it), then restores the latest state before j and splits the gap
+   binomially (``optimal_first_advance``).
+4. **[out-of-order requests stay correct]** Requests out of order (a second backward pass with
+   ``retain_graph=True``) stay correct: they restart from the latest state still held, at the price of
+   extra advances.
 
-5. The online variant (length unknown while running forward, ``checkpointed_while``) offers each
-   state x_c once the loop is known to run at least c + 2 steps (``offer``); ``OnlinePlacement``
-   (``torchckpt.loops.online``: Stumm & Walther 2010, Algorithm 1, then Wang, Moin & Iaccarino 2009)
-   decides what to keep. The offered state is the one *before* the live carry, so its ``store``
-   action comes after the advance past it; the executor holds that carry until the decision. Once
-   the length is known the reversal is the offline binomial one from the states held.
+5. **[states are offered one step late]** The online variant (length unknown while running forward,
+   ``checkpointed_while``) offers each state x_c once the loop is known to run at least c + 2 steps
+   (``offer``); ``OnlinePlacement`` (``torchckpt.loops.online``: Stumm & Walther 2010, Algorithm 1,
+   then Wang, Moin & Iaccarino 2009) decides what to keep. The offered state is the one *before* the
+   live carry, so its ``store`` action comes after the advance past it; the executor holds that carry
+   until the decision. Once the length is known the reversal is the offline binomial one from the
+   states held.
 """
 
 from __future__ import annotations
@@ -252,7 +257,8 @@ class RevolveScheduler:
     """Decides which states to store, restore and free; holds positions only, never tensors.
 
     Use ``start()`` once, then either ``forward(steps)`` (length known: Revolve's first sweep) or
-    ``offer(c)`` for c = 1, 2, ... and ``end_forward(steps)`` (length unknown: online, rule 5), then
+    ``offer(c)`` for c = 1, 2, ... and ``end_forward(steps)`` (length unknown: online,
+    [states are offered one step late]), then
     ``request(j)`` for each step j whose graph the backward pass needs. Each call returns the actions
     to perform, in order.
 
@@ -277,7 +283,7 @@ class RevolveScheduler:
         return tuple(self._stored)
 
     def start(self) -> list[Action]:
-        """Store the initial state x_0 (rule 1: it takes one of the slots)."""
+        """Store the initial state x_0 ([x_0 takes a slot])."""
         self._stored = [0]
         self._online = OnlinePlacement(self.checkpoints)
         self._position = 0
@@ -289,7 +295,8 @@ class RevolveScheduler:
         return self._reach_and_tape(steps)
 
     def request(self, step: int) -> list[Action]:
-        """Actions that leave step ``step`` taped, starting from whatever is held (rule 3)."""
+        """Actions that leave step ``step`` taped, starting from whatever is held
+        ([free, restore, split binomially])."""
         check_positive_int("step", step)
         actions = [Action("free", i, i) for i in self._stored if i >= step]
         self._stored = [i for i in self._stored if i < step]
@@ -330,7 +337,8 @@ class RevolveScheduler:
         return Action("store", index, index)
 
     def offer(self, index: int) -> list[Action]:
-        """Online variant: the loop runs at least ``index + 2`` steps; keep x_``index`` (rule 5)?
+        """Online variant: the loop runs at least ``index + 2`` steps; keep x_``index``
+        ([states are offered one step late])?
 
         x_``index + 1`` is live; x_``index`` is the carry the executor still holds. Offer 1, 2, 3, ...
         in order. Returns a ``free`` of the evicted state and a ``store index``, either or both or none.
@@ -350,7 +358,8 @@ class RevolveScheduler:
         """Online variant: the loop ended after ``steps`` steps; x_``steps`` is the output.
 
         The last step's graph was recorded during the forward pass, so it counts as ``tape steps``.
-        Nothing needs freeing: only states up to x_``steps - 2`` were ever offered (rule 5).
+        Nothing needs freeing: only states up to x_``steps - 2`` were ever offered
+        ([states are offered one step late]).
         """
         check_positive_int("steps", steps)
         assert all(i < steps - 1 for i in self._stored[1:]), "internal error: a state past x_{steps-2} is held"
@@ -361,7 +370,7 @@ class RevolveScheduler:
 def revolve_schedule(steps: int, checkpoints: int) -> RevolveSchedule:
     """The binomial (Revolve) schedule for a loop of ``steps`` steps holding ``checkpoints`` states.
 
-    ``checkpoints`` counts x_0 too (rule 1). The forward sweep stores states and ends with
+    ``checkpoints`` counts x_0 too ([x_0 takes a slot]). The forward sweep stores states and ends with
     ``tape steps``; the backward pass then requests steps ``steps - 1`` down to 1. The number of step
     evaluations equals ``optimal_step_evaluations(steps, checkpoints)``.
 
@@ -386,7 +395,8 @@ def revolve_schedule(steps: int, checkpoints: int) -> RevolveSchedule:
 def online_schedule(steps: int, checkpoints: int) -> RevolveSchedule:
     """The schedule ``checkpointed_while`` performs when its loop stops after ``steps`` steps.
 
-    The forward sweep offers each state once the loop is known to run two steps past it (rule 5),
+    The forward sweep offers each state once the loop is known to run two steps past it
+    ([states are offered one step late]),
     not knowing ``steps``; the backward pass is the binomial one from the states left. For
     ``steps <= binom(checkpoints + 2, 2)`` the count equals ``optimal_step_evaluations``.
 

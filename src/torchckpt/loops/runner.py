@@ -5,31 +5,33 @@
 online (Stumm & Walther 2010, see ``torchckpt.loops.online``) and reverses binomially once the length
 is known (see ``torchckpt.loops.revolve``).
 
-How it works (the rules the code keeps):
+How it works (the rules the code keeps, by name):
 
-1. The forward pass runs every step once, with autograd recording as usual, so the graph reaches the
-   carry *and* every tensor ``step_fn`` closes over (module parameters, tensors computed outside the
-   loop). Gradients therefore work with ``.backward()`` and ``torch.autograd.grad`` alike and nothing
-   has to be declared.
-2. Every tensor autograd saves inside step i goes through a saved-tensor hook. The hook keeps the real
-   tensor only while step i is the newest step; when step i+1 starts it drops it, leaving a
-   placeholder. So the forward pass holds the last step's activations, the current carry and the
-   stored checkpoints, nothing more.
-3. When backward first needs a saved tensor of step j, the executor asks the planner for step j
-   (``RevolveScheduler.request``), replays the actions it returns (restore a checkpoint, advance
-   without a graph, store new checkpoints, re-run step j recording what it saves) and hands back the
-   recomputed tensors in the order they were saved.
-4. A checkpoint stores the carry (aliases, no copy) and the RNG state before the next step (CPU, plus
-   every initialised CUDA device; ``torchckpt._host.RngSnapshot``), so recomputed dropout masks equal
-   the forward's. The caller's RNG state is put back after each recomputation. Recomputation runs
-   under the autocast settings that were active when the loop was called. ``checkpointed_while``
-   decides about x_c only once ``cond_fn`` has accepted x_{c+1}, so it holds back x_c's snapshot
-   (taken before step c+1) until then: a ``store c`` then takes the held-back snapshot, any other
-   ``store`` the live carry. The carry's layout, snapshots and autocast state live in
-   ``torchckpt.loops.carry``.
-5. Each recomputed step must save the same number of tensors with the same shapes as in the forward
-   pass, and stored carries must not be modified in place; both are checked and raise otherwise.
-6. No global state: counts and the actions run are written to a ``LoopStats`` the caller passes in.
+1. **[one forward, full graph]** The forward pass runs every step once, with autograd recording as
+   usual, so the graph reaches the carry *and* every tensor ``step_fn`` closes over (module parameters,
+   tensors computed outside the loop). Gradients therefore work with ``.backward()`` and
+   ``torch.autograd.grad`` alike and nothing has to be declared.
+2. **[only the newest step is held]** Every tensor autograd saves inside step i goes through a
+   saved-tensor hook. The hook keeps the real tensor only while step i is the newest step; when step
+   i+1 starts it drops it, leaving a placeholder. So the forward pass holds the last step's
+   activations, the current carry and the stored checkpoints, nothing more.
+3. **[recompute on first need]** When backward first needs a saved tensor of step j, the executor asks
+   the planner for step j (``RevolveScheduler.request``), replays the actions it returns (restore a
+   checkpoint, advance without a graph, store new checkpoints, re-run step j recording what it saves)
+   and hands back the recomputed tensors in the order they were saved.
+4. **[checkpoints hold carry and RNG]** A checkpoint stores the carry (aliases, no copy) and the RNG
+   state before the next step (CPU, plus every initialised CUDA device;
+   ``torchckpt._host.RngSnapshot``), so recomputed dropout masks equal the forward's. The caller's RNG
+   state is put back after each recomputation. Recomputation runs under the autocast settings that were
+   active when the loop was called. ``checkpointed_while`` decides about x_c only once ``cond_fn`` has
+   accepted x_{c+1}, so it holds back x_c's snapshot (taken before step c+1) until then: a ``store c``
+   then takes the held-back snapshot, any other ``store`` the live carry. The carry's layout, snapshots
+   and autocast state live in ``torchckpt.loops.carry``.
+5. **[recomputed steps are checked]** Each recomputed step must save the same number of tensors with
+   the same shapes as in the forward pass, and stored carries must not be modified in place; both are
+   checked and raise otherwise.
+6. **[loop stats are passed in]** No global state: counts and the actions run are written to a
+   ``LoopStats`` the caller passes in.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def _resolve_checkpoints(checkpoints: int | None, budget_bytes: int | str | None
 
 
 class _SavedSlot:
-    """What autograd holds for one tensor saved inside a step (rule 2)."""
+    """What autograd holds for one tensor saved inside a step ([only the newest step is held])."""
 
     __slots__ = ("index", "shape", "step", "tensor")
 
@@ -150,7 +152,8 @@ class _LoopRunner:
         self.requires_grad: list[tuple[bool, ...]] = []  # of x_{i}, as in the forward pass
         self.saved_counts: list[int] = []  # tensors saved by step i+1 in the forward pass
         self.newest_slots: list[_SavedSlot] = []
-        self.held_back: tuple[int, CarrySnapshot] | None = None  # the carry before the live one (rule 4)
+        # The carry before the live one ([checkpoints hold carry and RNG]).
+        self.held_back: tuple[int, CarrySnapshot] | None = None
         self.recomputed: tuple[int, list[torch.Tensor | None]] | None = None
         self.autocast = AutocastState.capture()
 
@@ -160,8 +163,10 @@ class _LoopRunner:
             self.stats.add(action)
             if action.kind == "store":
                 held_back = self.held_back
-                is_held_back = held_back is not None and held_back[0] == action.stop
-                self.store[action.stop] = held_back[1] if is_held_back else self._snapshot()
+                if held_back is not None and held_back[0] == action.stop:
+                    self.store[action.stop] = held_back[1]
+                else:
+                    self.store[action.stop] = self._snapshot()
             elif action.kind == "free":
                 del self.store[action.stop]
             elif action.kind == "restore":
@@ -193,7 +198,7 @@ class _LoopRunner:
         if snapshot.rng is not None:
             snapshot.rng.restore()
 
-    # ----------------------------------------------------------------- forward pass (rules 1, 2)
+    # ------------------ forward pass ([one forward, full graph], [only the newest step is held])
     def forward_step(self, step: int) -> list[torch.Tensor]:
         """Run step ``step`` with autograd recording; its saved tensors stay real until the next step."""
         for slot in self.newest_slots:
@@ -214,7 +219,7 @@ class _LoopRunner:
         self.saved_counts.append(len(self.newest_slots))
         return self.layout.leaves_of(out, step)
 
-    # ----------------------------------------------------------------- backward pass (rule 3)
+    # ------------------------------------------------- backward pass ([recompute on first need])
     def _unpack(self, slot: _SavedSlot) -> torch.Tensor:
         if slot.tensor is not None:
             return slot.tensor
@@ -401,14 +406,16 @@ def checkpointed_while(
     stats.steps = step
     if grad and step > 0:
         (tape,) = planner.end_forward(step)
-        if stats.record_actions:  # the last step ran as an advance; it is the taped one (rule 2)
+        # The last step ran as an advance; it is the taped one ([only the newest step is held]).
+        if stats.record_actions:
             stats.actions[-1] = tape
     return layout.build(runner.current)
 
 
 def _online_actions_before(planner: RevolveScheduler, step: int) -> list[Action]:
     """Before step ``step + 1`` runs: store x_0 first; later, the loop is known to run at least
-    ``step + 1`` steps, so x_{step-1}, the held-back carry, is offered (rule 4)."""
+    ``step + 1`` steps, so x_{step-1}, the held-back carry, is offered
+    ([checkpoints hold carry and RNG])."""
     if step == 0:
         return planner.start()
     return planner.offer(step - 1) if step >= 2 else []

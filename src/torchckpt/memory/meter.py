@@ -1,19 +1,21 @@
 """MemoryMeter: exact live tensor bytes on CPU, allocator statistics on CUDA, process RSS.
 
-How the CPU meter counts (the rules every figure it reports obeys):
+How the CPU meter counts (the rules every figure it reports obeys, named in ``docs/design.md``):
 
-1. The unit is a *storage*. A tensor's bytes are its untyped storage's ``nbytes()``; views, aliases,
-   ``detach()`` and in-place results share their base's storage and are counted once.
-2. A storage is counted from the moment the meter first sees it (as the output or the input of an op
-   that runs through the dispatcher while the meter is active, which includes autograd's backward,
-   checkpoint recomputation and selective-checkpoint caches) until it is freed. Freed is freed: the
-   weak-reference callback fires when the storage's C++ object dies, not when a Python name goes away.
-3. Storages alive at entry (parameters, inputs, optimizer state) form the *baseline*: the meter finds
-   them with one scan of the garbage collector's tensors at entry, counts them in ``current_bytes`` and
-   ``peak_bytes``, and subtracts them when they are freed. ``MemoryMeter(include_existing=False)``
-   counts only what is created inside.
-4. Only storages on the meter's device are counted (CPU by default). Meta, fake and sparse tensors own
-   no countable storage and are ignored.
+1. **[the unit is a storage]** The unit is a *storage*. A tensor's bytes are its untyped storage's
+   ``nbytes()``; views, aliases, ``detach()`` and in-place results share their base's storage and are
+   counted once.
+2. **[counted from first sight until freed]** A storage is counted from the moment the meter first sees
+   it (as the output or the input of an op that runs through the dispatcher while the meter is active,
+   which includes autograd's backward, checkpoint recomputation and selective-checkpoint caches) until
+   it is freed. Freed is freed: the weak-reference callback fires when the storage's C++ object dies,
+   not when a Python name goes away.
+3. **[the baseline is what lives at entry]** Storages alive at entry (parameters, inputs, optimizer
+   state) form the *baseline*: the meter finds them with one scan of the garbage collector's tensors at
+   entry, counts them in ``current_bytes`` and ``peak_bytes``, and subtracts them when they are freed.
+   ``MemoryMeter(include_existing=False)`` counts only what is created inside.
+4. **[only the meter's device counts]** Only storages on the meter's device are counted (CPU by
+   default). Meta, fake and sparse tensors own no countable storage and are ignored.
 
 On CUDA the numbers come from the caching allocator (``torch.cuda.memory_allocated`` and
 ``max_memory_allocated``), which already follow the same rules at block granularity.
@@ -26,6 +28,7 @@ closely (``make test`` and ``make demo`` do).
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 from collections.abc import Iterable
@@ -71,6 +74,11 @@ def _storage_of(tensor: torch.Tensor, device_type: str) -> torch.UntypedStorage 
         return tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def _drop(table: dict[int, weakref.ref], key: int, _ref: weakref.ref) -> None:
+    """A weakref callback: forget ``key`` once its storage is freed."""
+    table.pop(key, None)
 
 
 class _StorageTracker(TorchDispatchMode):
@@ -263,7 +271,8 @@ class MemoryMeter:
 
     # ----------------------------------------------------------------- bookkeeping
     def _scan_existing(self) -> None:
-        """Rule 3: storages alive at entry are the baseline (or, without include_existing, ignored)."""
+        """[the baseline is what lives at entry]: storages alive at entry are the baseline (or, without
+        include_existing, ignored)."""
         for obj in gc.get_objects():
             if not issubclass(type(obj), torch.Tensor):  # type(), not isinstance: no proxy __class__ lookups
                 continue
@@ -273,7 +282,7 @@ class MemoryMeter:
             storage = _storage_of(obj, self.device.type)
             if storage is not None and id(storage) not in self._uncounted:
                 key = id(storage)
-                self._uncounted[key] = weakref.ref(storage, lambda _ref, key=key, d=self._uncounted: d.pop(key, None))
+                self._uncounted[key] = weakref.ref(storage, functools.partial(_drop, self._uncounted, key))
 
     def _observe(self, tensor: torch.Tensor) -> None:
         storage = _storage_of(tensor, self.device.type)

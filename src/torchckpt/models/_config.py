@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-Config = TypeVar("Config")
+from torchckpt._units import check_positive_int
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+Config = TypeVar("Config", bound="DataclassInstance")
 
 
 def check_config(config: Any, positive_ints: tuple[str, ...]) -> None:
-    """Raise ValueError naming the field when a size is not a positive int or dropout is outside [0, 1).
+    """Raise naming the field when a size is not a positive int (``check_positive_int``) or dropout is outside [0, 1).
 
     Example:
         >>> from torchckpt.models import GPTConfig
@@ -17,9 +22,7 @@ def check_config(config: Any, positive_ints: tuple[str, ...]) -> None:
     """
     owner = type(config).__name__
     for option in positive_ints:
-        value = getattr(config, option)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{owner}.{option} must be a positive int; got {value!r}")
+        check_positive_int(f"{owner}.{option}", getattr(config, option))
     if not 0.0 <= config.dropout < 1.0:
         raise ValueError(f"{owner}.dropout must be in [0, 1); got {config.dropout!r}")
 

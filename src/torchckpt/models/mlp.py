@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchckpt._units import check_positive_int
 from torchckpt.executor.policies import tag
 
 __all__ = ["MLP", "mlp"]
@@ -40,8 +41,7 @@ class MLP(nn.Module):
         super().__init__()
         for option, value in (("depth", depth), ("width", width), ("in_features", in_features),
                               ("classes", classes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"mlp: {option} must be a positive int; got {value!r}")
+            check_positive_int(f"MLP.{option}", value)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"mlp: dropout must be in [0, 1); got {dropout!r}")
         self.in_features, self.classes = in_features, classes
@@ -71,11 +71,12 @@ class MLP(nn.Module):
         return x.to(device), labels.to(device)
 
 
-def mlp(depth: int = 16, width: int = 256, **options: object) -> MLP:
+def mlp(depth: int = 16, width: int = 256, *, in_features: int = 64, classes: int = 10,
+        dropout: float = 0.1) -> MLP:
     """Build the built-in deep MLP (``depth`` blocks of ``width`` units).
 
     Example:
         >>> len(mlp(depth=3, width=16).blocks)
         3
     """
-    return MLP(depth, width, **options)
+    return MLP(depth, width, in_features=in_features, classes=classes, dropout=dropout)

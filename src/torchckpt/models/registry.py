@@ -1,14 +1,16 @@
 """The one model registry: name -> how to build the model, its example batch and its blocks.
 
 ``torchckpt plan --model NAME``, ``torchckpt train --model``, the benchmark and the tests all build
-models by name from here. Rules every entry keeps, so that every user of a name sees the same work:
+models by name from here. Rules every entry keeps, so that every user of a name sees the same work (named in
+``docs/design.md``):
 
-1. ``build()`` seeds the global RNG itself, so every process that builds a model by name gets the same
-   parameters and the same batch, bit for bit.
-2. ``blocks(model)`` returns every repeated layer in forward order: what "checkpoint every block" wraps
-   (HF's ``gradient_checkpointing_enable()`` wraps the same layers) and what the planner is given.
-3. Models train with dropout on (``train()``), and HF models with ``use_cache=False``. HF entries
-   import ``transformers`` only when built.
+1. **[build seeds itself]** ``build()`` seeds the global RNG itself, so every process that builds a
+   model by name gets the same parameters and the same batch, bit for bit.
+2. **[blocks in forward order]** ``blocks(model)`` returns every repeated layer in forward order: what
+   "checkpoint every block" wraps (HF's ``gradient_checkpointing_enable()`` wraps the same layers) and
+   what the planner is given.
+3. **[models train with dropout on]** Models train with dropout on (``train()``), and HF models with
+   ``use_cache=False``. HF entries import ``transformers`` only when built.
 
 Add a model with ``register(ModelEntry(...))``; ``load_model`` also takes ``path/to/file.py:factory``.
 """
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchckpt._units import check_positive_int
 from torchckpt.models.gpt import gpt
 from torchckpt.models.mlp import mlp
 from torchckpt.models.unet import unet
@@ -47,9 +50,7 @@ class BatchShape:
 
     def __post_init__(self) -> None:
         for option in ("batch_size", "seq_len", "image_size"):
-            value = getattr(self, option)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"BatchShape.{option} must be a positive int; got {value!r}")
+            check_positive_int(f"BatchShape.{option}", getattr(self, option))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +69,8 @@ class ModelEntry:
             raise ValueError(f"ModelEntry.name must be a non-empty word; got {self.name!r}")
 
     def build(self, seed: int = 0, shape: BatchShape | None = None) -> tuple[nn.Module, Inputs]:
-        """Build the model (train mode) and its batch from ``seed`` (rule 1), at ``shape`` or the entry's own.
+        """Build the model (train mode) and its batch from ``seed`` ([build seeds itself]), at ``shape``
+        or the entry's own.
 
         Example:
             >>> model, batch = get_model("gpt-tiny").build()
@@ -113,7 +115,7 @@ def load_model(spec: str, shape: BatchShape | None = None, seed: int | None = No
 
     A factory returns a model with ``example_batch(batch_size=..., seq_len=...)`` or a tuple
     ``(model, example_inputs)``. With ``seed`` given the global RNG is seeded first (registered models
-    always seed, rule 1). Raises :class:`ModelSpecError` naming the problem.
+    always seed, [build seeds itself]). Raises :class:`ModelSpecError` naming the problem.
 
     Example:
         >>> model, batch = load_model("gpt-tiny", BatchShape(batch_size=2, seq_len=8))
@@ -209,8 +211,9 @@ def _t5(width: int, layers: int) -> Callable[[BatchShape], tuple[nn.Module, Inpu
         import transformers
 
         config = transformers.T5Config(vocab_size=1024, d_model=width, d_kv=32, d_ff=4 * width, num_layers=layers,
-                                       num_heads=max(2, width // 32), decoder_start_token_id=0, pad_token_id=0,
-                                       eos_token_id=1)
+                                       num_heads=max(2, width // 32), pad_token_id=0, eos_token_id=1)
+        # Not a T5Config field (its typed __init__ lacks it); the model shifts labels right with it.
+        config.decoder_start_token_id = 0
         ids = _token_batch(1024, shape)
         labels = _token_batch(1024, shape, max(1, shape.seq_len // 2))
         return (transformers.T5ForConditionalGeneration(config),

@@ -59,8 +59,8 @@ def _hidden(output: Any) -> Any:
 
 
 def _run_pieces(pieces: Sequence[PlanPiece], forwards: list[Callable[..., Any]], args: tuple, kwargs: dict) -> Any:
-    """Run ``pieces`` as a chain from ``args``; nested pieces are checkpointed (Note: [nested checkpoints keep
-    nothing])."""
+    """Run ``pieces`` as a chain from ``args``; nested pieces are checkpointed
+    (Note: [nested checkpoints keep nothing])."""
     output: Any = None
     for piece in pieces:
         if isinstance(piece, PlannedRegion):
@@ -80,6 +80,7 @@ def wrap_region(piece: PlannedRegion, blocks: list[nn.Module], wrapped: list[nn.
     appended to ``wrapped`` (``CheckpointHandle(wrapped).remove()`` undoes it).
 
     Example:
+        >>> from torchckpt.planner.plan import PlannedBlock
         >>> blocks = [nn.Linear(2, 2), nn.Linear(2, 2)]
         >>> inner = (PlannedBlock(block=0, plain=True), PlannedBlock(block=1, plain=True))
         >>> wrapped: list[nn.Module] = []

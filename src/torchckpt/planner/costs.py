@@ -1,25 +1,26 @@
-"""The planner's cost model: measured data only, decided nothing (DESIGN.md, "The planner's model").
+"""The planner's cost model: measured data only, decided nothing (``docs/design.md``, "The planner's model").
 
 This module never imports torch: the profiler fills these values, the solver (pure numpy) reads them.
 All sizes are bytes (ints), all times seconds (floats).
 
-The peak model the solver evaluates (numbered so that solver, profiler and tests can point at it):
+The peak model the solver evaluates (named so that solver, profiler and tests can point at it):
 
-1. A model is ``fixed_bytes`` (parameters, gradients, optimizer state, the batch, activations
-   outside the blocks that live through the backward pass, and the profiler's headroom) plus a chain
-   of blocks ``0..n-1``.
+1. **[fixed bytes plus a chain]** A model is ``fixed_bytes`` (parameters, gradients, optimizer state,
+   the batch, activations outside the blocks that live through the backward pass, and the profiler's
+   headroom) plus a chain of blocks ``0..n-1``.
    Block ``i`` reads ``x_i = blocks[i].input_bytes`` and produces ``y_i = blocks[i].output_bytes``
    (``y_i == x_{i+1}``). The gradient of a tensor has the tensor's size.
    A model whose code between blocks is not a plain chain (U-Net skips, an encoder output read by
    every decoder block) has ``chain=False``: then ``x_i`` is what block ``i`` holds when checkpointed
    (its input plus what the code after it keeps, measured at block boundaries), ``y_i`` need not equal
    ``x_{i+1}``, and plans have single blocks only (no regions).
-2. A plan is a sequence of pieces covering the chain in order. A piece is a single block with a menu
-   option, or a region of consecutive blocks checkpointed as a whole whose inside is again a plan.
-3. After its forward pass a piece holds: a plain block ``saved_bytes``, plus ``x_i`` when
-   ``input_held_when_plain``; a checkpointed block ``x_i + kept`` (``kept`` = bytes of the op outputs
-   its option keeps); a region ``x_i`` of its first block. Inside a region, blocks can only be plain or
-   keep nothing (executor rule 6).
+2. **[a plan is a sequence of pieces]** A plan is a sequence of pieces covering the chain in order. A
+   piece is a single block with a menu option, or a region of consecutive blocks checkpointed as a whole
+   whose inside is again a plan.
+3. **[what a piece holds]** After its forward pass a piece holds: a plain block ``saved_bytes``, plus
+   ``x_i`` when ``input_held_when_plain``; a checkpointed block ``x_i + kept`` (``kept`` = bytes of the
+   op outputs its option keeps); a region ``x_i`` of its first block. Inside a region, blocks can only
+   be plain or keep nothing (Note: [nested checkpoints keep nothing]).
    ``input_held_when_plain`` is measured: whether block ``i``'s input was still alive when its
    backward pass began in the plain step. Autograd keeps an input only if some op saves it: a linear
    layer whose weight needs no gradient saves its weight but not its input, so a post-norm block
@@ -30,15 +31,15 @@ The peak model the solver evaluates (numbered so that solver, profiler and tests
    A checkpointed block also holds ``freed_side_input_bytes``: its other tensor inputs (positional and
    keyword; each storage once, the first input's excluded) whose storage the plain step has already
    freed when the block's backward pass begins, such as an encoder output or a position bias read only
-   by linear layers with frozen weights. The plain step's calibration (rule 5) absorbs their absence,
-   so they are added back whenever a checkpoint keeps them. A storage read by several checkpointed
-   blocks is counted once per block, an over-count, which is safe. A region holds the same bytes of its
-   first block, as its context and after it.
-4. Forward end: ``fixed_bytes + sum(held) + head_bytes`` (``head_bytes``: the loss, logits and their
-   gradients above everything else, measured).
-5. The backward pass visits pieces in reverse. With ``C`` the bytes live around the chain (top level:
-   ``fixed_bytes + y_{n-1}``, the gradient arriving from the head) and ``H`` the bytes held by earlier
-   pieces of the same chain, the backward of block ``i`` peaks at
+   by linear layers with frozen weights. The plain step's calibration ([backward peak]) absorbs their
+   absence, so they are added back whenever a checkpoint keeps them. A storage read by several
+   checkpointed blocks is counted once per block, an over-count, which is safe. A region holds the same
+   bytes of its first block, as its context and after it.
+4. **[forward-end peak]** Forward end: ``fixed_bytes + sum(held) + head_bytes`` (``head_bytes``: the
+   loss, logits and their gradients above everything else, measured).
+5. **[backward peak]** The backward pass visits pieces in reverse. With ``C`` the bytes live around the
+   chain (top level: ``fixed_bytes + y_{n-1}``, the gradient arriving from the head) and ``H`` the bytes
+   held by earlier pieces of the same chain, the backward of block ``i`` peaks at
    ``C + H + x_i + saved_bytes_i + backward_peak_bytes_i (+ recompute_peak_bytes_i if checkpointed)
    (+ y_i unless i is block n-1, whose incoming gradient is already in C)``, less ``x_i`` for a plain
    block without ``input_held_when_plain``.
@@ -51,14 +52,16 @@ The peak model the solver evaluates (numbered so that solver, profiler and tests
    blocks, and adds one block output, which measurements with checkpointed blocks nested in a
    region showed alive as well (see ``profile._region_residue``). The gradient arriving at a region is
    otherwise counted by its last block as ``y_i``.
-6. The forward pass of a piece peaks at ``C + H + g + x_i + forward_peak_bytes_i`` for a single block
-   ``i``; a region runs its blocks holding only its first input, so it peaks at the largest over its
-   blocks ``j`` of ``C + H + g + x_j + forward_peak_bytes_j (+ x_first if j is not the first)``. ``g``
-   is the gradient live meanwhile: 0 for pieces of the top-level chain (the model's forward pass); for
-   pieces inside a region, which run again when the backward pass reaches it, the gradient of the
-   region's output, ``y`` of its last block unless that block is n-1 (that gradient is in C).
-7. The predicted peak is the maximum of 4, 5 and 6 over the plan; extra time is the sum of recompute
-   times: a checkpointed block's option time, a region's forward time plus its inside's extra time.
+6. **[forward peak]** The forward pass of a piece peaks at ``C + H + g + x_i + forward_peak_bytes_i``
+   for a single block ``i``; a region runs its blocks holding only its first input, so it peaks at the
+   largest over its blocks ``j`` of ``C + H + g + x_j + forward_peak_bytes_j (+ x_first if j is not the
+   first)``. ``g`` is the gradient live meanwhile: 0 for pieces of the top-level chain (the model's
+   forward pass); for pieces inside a region, which run again when the backward pass reaches it, the
+   gradient of the region's output, ``y`` of its last block unless that block is n-1 (that gradient is
+   in C).
+7. **[predicted peak is the maximum]** The predicted peak is the maximum of [forward-end peak],
+   [backward peak] and [forward peak] over the plan; extra time is the sum of recompute times: a
+   checkpointed block's option time, a region's forward time plus its inside's extra time.
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ class OpCosts:
 
 @dataclass(frozen=True, kw_only=True)
 class BlockCosts:
-    """Measured costs of one block (see rules 1, 3, 5, 6 of the module docstring)."""
+    """Measured costs of one block (see [fixed bytes plus a chain], [what a piece holds], [backward peak] and
+    [forward peak] in the module docstring)."""
 
     name: str
     input_bytes: int

@@ -37,7 +37,7 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
         >>> torch.equal(layer.weight, before)
         True
     """
-    tensors = dict(model.named_parameters())
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
     saved = {name: (host_bytes(t), t.dtype, t.shape) for name, t in tensors.items()}
     modes = {name: module.training for name, module in model.named_modules()}

@@ -52,7 +52,8 @@ def resolve_budget(budget: int | str, costs: ChainCosts) -> int:
     return parse_bytes(budget, option="budget")
 
 
-def plan_pieces(schedule: Sequence[solver.Piece], menus: Sequence[Sequence[solver.MenuOption]]) -> tuple[PlanPiece, ...]:
+def plan_pieces(schedule: Sequence[solver.Piece],
+                menus: Sequence[Sequence[solver.MenuOption]]) -> tuple[PlanPiece, ...]:
     """Turn a solver schedule (menu option indices) into a plan's pieces (the ops each block keeps).
 
     Example:

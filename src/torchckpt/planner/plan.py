@@ -19,7 +19,7 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -105,7 +105,7 @@ class PlannedRegion:
         object.__setattr__(self, "inner", inner)
 
 
-PlanPiece = Union[PlannedBlock, PlannedRegion]
+PlanPiece = PlannedBlock | PlannedRegion
 
 
 def iter_blocks(pieces: Sequence[PlanPiece],
@@ -213,7 +213,8 @@ class Plan:
         for row in self.decisions():
             region = f"blocks {row['region'][0]}-{row['region'][1] - 1} recomputed together" if row["region"] else ""
             lines.append(f"{row['block']:<6} {row['path']:<28} {row['decision']:<28} {region}")
-        lines.append(f"budget {format_bytes(self.budget_bytes)}; predicted peak {format_bytes(self.predicted_peak_bytes)}; "
+        lines.append(f"budget {format_bytes(self.budget_bytes)}; "
+                     f"predicted peak {format_bytes(self.predicted_peak_bytes)}; "
                      f"predicted extra time {self.predicted_extra_time_s * 1e3:.1f} ms per step")
         reference = self.reference.get("no_checkpointing_peak_bytes")
         if reference:
@@ -232,7 +233,8 @@ class Plan:
             if found[key] != self.fingerprint.get(key):
                 raise PlanMismatchError(
                     f"this plan was made for a different {key}: the plan has {self.fingerprint.get(key)!r}, the model "
-                    f"and inputs given have {found[key]!r}; make a new plan with torchckpt.plan(model, inputs, budget=...)")
+                    f"and inputs given have {found[key]!r}; "
+                    "make a new plan with torchckpt.plan(model, inputs, budget=...)")
 
     def to_json(self) -> str:
         """JSON text (round-trips exactly through :meth:`from_json`)."""

@@ -1,39 +1,46 @@
 """Measure a model into a cost model (``costs.ChainCosts``). Measures only; decides nothing.
 
-How each figure of ``costs.py`` is obtained (rules of that module in brackets):
+One file on purpose (~440 lines): the block hooks, the op recorder and the assembly of the costs all
+read the marks of the same measured steps; split, each part would need the others' internals.
 
-1. Two real training steps run under a ``MemoryMeter``: one with every block checkpointed (keep
-   nothing), which is also the warm-up (the optimizer's state is created after it, so its figures are
-   taken relative to its own ``fixed``), then one plain. Hooks mark each block's forward (pre/post hooks)
-   and backward (a gradient hook on the block's output marks its start, one on its input its end); the
-   meter's peak is read between marks.
-2. ``fixed_bytes`` is what is live when block 0 starts, minus block 0's input, plus a headroom;
-   ``saved_bytes`` is what a
-   block's forward leaves behind minus its output [3]; ``input_held_when_plain`` is whether the
-   block's input storage (watched through a weak reference) is still alive when the block's backward
-   pass begins in the plain step [3]; ``freed_side_input_bytes`` is, of the block's other tensor inputs
-   (positional and keyword, each storage once, the first input's storage excluded), the bytes of those
-   whose storage is dead at that moment [3]; ``head_bytes`` is the peak between the last block's forward
-   and the first block backward, above fixed and everything the blocks hold [4].
-3. ``backward_peak_bytes`` and ``forward_peak_bytes`` are the measured peaks minus what rules 5 and 6
-   already count, so the all-plain plan is predicted exactly; they absorb what the model does not name
-   (parameter gradients created so far, the head's leftovers). ``recompute_peak_bytes`` is the same
-   residue from the checkpointed step, above the plain one.
-4. Ops are recorded inside each block's plain forward with the executor's own numbering (``aten.detach``
-   skipped, ``tag`` visible as in a checkpointed region), so ``save_ops`` indices in a plan refer to them.
-   An op is ``saved`` when autograd saves a tensor whose storage the op created and the executor can
-   keep its outputs (``checkpoint.can_keep``: not a view, not in-place, not random, and not written in
-   place later). SDPA is tagged random by ATen (it takes ``dropout_p``), so it is recomputed under any
-   policy; counting it as kept over-predicted selective plans by its output per block (2.16 MB per block
-   on gpt("mini") at 16 x 256 tokens) and under-predicted their recompute time. Op times are measured
-   with the recorder on and scaled so that they sum to the block's forward time: the lesser of its two
-   hook-timed forwards, then the median over structurally equal blocks with equal input shapes. The
-   step time is the checkpointed step's less its blocks' forwards (an estimate: no extra plain step
-   runs, which keeps profiling within five training steps).
+How each figure of ``costs.py`` is obtained (the names of that module's rules in brackets):
+
+1. **[two measured steps]** Two real training steps run under a ``MemoryMeter``: one with every block
+   checkpointed (keep nothing), which is also the warm-up (the optimizer's state is created after it, so
+   its figures are taken relative to its own ``fixed``), then one plain. Hooks mark each block's forward
+   (pre/post hooks) and backward (a gradient hook on the block's output marks its start, one on its input
+   its end); the meter's peak is read between marks.
+2. **[byte figures from block marks]** ``fixed_bytes`` is what is live when block 0 starts, minus block
+   0's input, plus a headroom; ``saved_bytes`` is what a
+   block's forward leaves behind minus its output [what a piece holds]; ``input_held_when_plain`` is
+   whether the block's input storage (watched through a weak reference) is still alive when the block's
+   backward pass begins in the plain step [what a piece holds]; ``freed_side_input_bytes`` is, of the
+   block's other tensor inputs (positional and keyword, each storage once, the first input's storage
+   excluded), the bytes of those whose storage is dead at that moment [what a piece holds]; ``head_bytes``
+   is the peak between the last block's forward and the first block backward, above fixed and everything
+   the blocks hold [forward-end peak].
+3. **[the plain plan is predicted exactly]** ``backward_peak_bytes`` and ``forward_peak_bytes`` are the
+   measured peaks minus what [backward peak] and [forward peak] already count, so the all-plain plan is
+   predicted exactly; they absorb what the model does not name (parameter gradients created so far, the
+   head's leftovers). ``recompute_peak_bytes`` is the same residue from the checkpointed step, above the
+   plain one.
+4. **[ops are numbered as the executor numbers them]** Ops are recorded inside each block's plain forward
+   with the executor's own numbering (``aten.detach`` skipped, ``tag`` visible as in a checkpointed
+   region), so ``save_ops`` indices in a plan refer to them. An op is ``saved`` when autograd saves a
+   tensor whose storage the op created and the executor can keep its outputs (``checkpoint.can_keep``: not
+   a view, not in-place, not random, and not written in place later). SDPA is tagged random by ATen (it
+   takes ``dropout_p``), so it is recomputed under any policy; counting it as kept over-predicted
+   selective plans by its output per block (2.16 MB per block on gpt("mini") at 16 x 256 tokens) and
+   under-predicted their recompute time. Op times are measured with the recorder on and scaled so that
+   they sum to the block's forward time: the lesser of its two hook-timed forwards, then the median over
+   structurally equal blocks with equal input shapes. The step time is the checkpointed step's less its
+   blocks' forwards (an estimate: no extra plain step runs, which keeps profiling within five training
+   steps).
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import weakref
@@ -140,7 +147,8 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         elapsed = time.perf_counter() - start
         index = len(block.ops)
-        if func._schema.is_mutable:  # a value written in place is never served from a cache (executor rule 5)
+        # A value written in place is never served from a cache (Note: [a value written in place is recomputed]).
+        if func._schema.is_mutable:
             for arg in tree_flatten((args, kwargs))[0]:
                 owner = self._created.get(id(arg.untyped_storage())) if isinstance(arg, torch.Tensor) else None
                 if owner is not None and owner[0] is block:
@@ -153,13 +161,13 @@ class _Recorder(TorchDispatchMode):
                 key = id(storage)
                 if key not in inputs and key not in self._created:
                     self._created[key] = (block, index)
-                    self._refs[key] = weakref.ref(storage, lambda _r, key=key: self._forget(key))
+                    self._refs[key] = weakref.ref(storage, functools.partial(self._forget, key))
                     new_bytes += storage.nbytes()
         block.ops.append({"index": index, "name": op_name(func), "output_bytes": new_bytes, "saved": False,
                           "keepable": can_keep(func, flat_out, tag_name), "time_s": elapsed})
         return out
 
-    def _forget(self, key: int) -> None:
+    def _forget(self, key: int, _ref: weakref.ref | None = None) -> None:  # also a weakref callback
         self._created.pop(key, None)
         self._refs.pop(key, None)
 
@@ -363,8 +371,8 @@ def _region_residue(runner: StepRunner, blocks: list[nn.Module], costs: ChainCos
     finally:
         CheckpointHandle(wrapped).remove()
         runner.clear_grads()
-    schedule = (solver.Region(start=0, stop=stop, inner=tuple(solver.Single(block=i, option=0) for i in range(stop))),
-                *(solver.Single(block=i, option=0) for i in range(stop, n)))
+    region = solver.Region(start=0, stop=stop, inner=tuple(solver.Single(block=i, option=0) for i in range(stop)))
+    schedule: tuple[solver.Piece, ...] = (region, *(solver.Single(block=i, option=0) for i in range(stop, n)))
     measured_fixed = costs.fixed_bytes - int(costs.notes["headroom_bytes"])
     predicted, _ = solver.evaluate(replace(costs, fixed_bytes=measured_fixed, region_recompute_bytes=0), schedule)
     # Plus one block output: with checkpointed blocks nested inside a region that is followed by other
@@ -389,7 +397,7 @@ def _assemble(plain: _Probe, recomputed: _Probe, times: list[float], step_time_s
     else:  # the boundary readings already telescope what a plain block holds, its input or not
         inputs, saved = _held_between_blocks(plain, recomputed, fixed, ckpt_fixed)
         input_held = [True] * n
-    # Rule 3 of costs.py: what each block holds through the plain step's backward pass, and what a
+    # costs.py's [what a piece holds]: what each block holds through the plain step's backward pass, and what a
     # checkpoint of it holds beyond its input (the step above ran every block so).
     freed = [t.freed_side_input_bytes for t in traces]
     plain_held = [(inputs[i] if input_held[i] else 0) + saved[i] for i in range(n)]
@@ -401,7 +409,7 @@ def _assemble(plain: _Probe, recomputed: _Probe, times: list[float], step_time_s
         incoming = 0 if i == n - 1 else trace.output_bytes
         base = fixed + last_output + held_before[i] + plain_held[i] + incoming
         backward = max(0, (trace.backward_peak or 0) - base)
-        # Rule 6 counts C, which holds the last block's output gradient; that is not alive in the forward pass.
+        # [forward peak] counts C, which holds the last block's output gradient; that is not alive in the forward pass.
         forward = max(0, trace.forward_peak - (fixed + last_output + held_before[i] + inputs[i]))
         ckpt_trace = recomputed.traces[i]
         ckpt_held = sum(inputs[:i]) + sum(freed[:i])

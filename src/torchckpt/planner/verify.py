@@ -54,8 +54,8 @@ class VerifyReport:
         """A short human-readable report."""
         return "\n".join([
             f"budget {format_bytes(self.budget_bytes)}; measured peak {format_bytes(self.measured_peak_bytes)} "
-            f"({'within' if self.within_budget else 'OVER'} budget); predicted {format_bytes(self.predicted_peak_bytes)} "
-            f"({self.prediction_error:+.1%})",
+            f"({'within' if self.within_budget else 'OVER'} budget); "
+            f"predicted {format_bytes(self.predicted_peak_bytes)} ({self.prediction_error:+.1%})",
             f"no checkpointing: {format_bytes(self.no_checkpointing_peak_bytes)}; saving "
             f"{1 - self.measured_peak_bytes / max(self.no_checkpointing_peak_bytes, 1):.0%}",
             f"gradients {'bitwise equal' if self.gradients_equal else 'DIFFER'} "

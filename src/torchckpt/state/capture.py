@@ -1,31 +1,34 @@
 """Capture and restore live training state: named items (model, optimizer, ...) and RNG streams.
 
-Rules kept here:
+Rules kept here (named in ``docs/design.md``; the design notes they keep in parentheses):
 
-1. (inv. 4) Every RNG stream a training step may draw from is captured: Python
-   ``random``, NumPy's global generator, torch CPU and, once CUDA is
-   initialised, every CUDA device. Restoring them makes dropout, shuffling and
-   augmentation continue exactly where the interrupted run was.
-2. An item is either an object with ``state_dict()``/``load_state_dict()``
-   (module, optimizer, scheduler, StatefulDataLoader, sampler, GradScaler, ...)
-   or a plain ``dict`` of user values, restored in place. Anything else is an
-   error that says how to make it checkpointable, never a silent skip.
-3. Restoring applies state only after every item decoded, so a corrupt file
-   never leaves objects half restored.
-4. (inv. 4) RNG streams are restored last, after every item. Every DataLoader
-   iterator draws a base seed from torch's global RNG when it is created; the
-   interrupted run drew it at the start of the epoch, before the save. So a
-   restored torchdata ``StatefulDataLoader`` gets its resumed iterator created
-   during restore, before the RNG streams are set (the loader hands that same
-   iterator to the next ``for`` loop); otherwise the resumed run would draw
-   once more and every later dropout mask would differ.
-5. A module is restored without copying when nothing could tell the
-   difference: each parameter and buffer takes the restored tensor (a view of
-   the buffer the file was read into) as its data, in place, so the same
-   Parameter objects stay in the optimizer. Only when every live tensor is a
-   plain CPU tensor that owns its memory alone (no view, no other tensor or
-   autograd graph sharing it), matches dtype, shape and strides, and no module
-   customises loading (hooks, ``_load_from_state_dict``); otherwise
+1. **[every RNG stream is captured]** (Note: [restore is bit-exact]) Every RNG
+   stream a training step may draw from is captured: Python ``random``, NumPy's
+   global generator, torch CPU and, once CUDA is initialised, every CUDA device.
+   Restoring them makes dropout, shuffling and augmentation continue exactly where
+   the interrupted run was.
+2. **[an item has state_dict or is a dict]** An item is either an object with
+   ``state_dict()``/``load_state_dict()`` (module, optimizer, scheduler,
+   StatefulDataLoader, sampler, GradScaler, ...) or a plain ``dict`` of user
+   values, restored in place. Anything else is an error that says how to make it
+   checkpointable, never a silent skip.
+3. **[no half restore]** Restoring applies state only after every item decoded, so
+   a corrupt file never leaves objects half restored.
+4. **[RNG streams are restored last]** (Note: [restore is bit-exact]) RNG streams
+   are restored last, after every item. Every DataLoader iterator draws a base
+   seed from torch's global RNG when it is created; the interrupted run drew it at
+   the start of the epoch, before the save. So a restored torchdata
+   ``StatefulDataLoader`` gets its resumed iterator created during restore, before
+   the RNG streams are set (the loader hands that same iterator to the next
+   ``for`` loop); otherwise the resumed run would draw once more and every later
+   dropout mask would differ.
+5. **[restore in place when nobody can tell]** A module is restored without
+   copying when nothing could tell the difference: each parameter and buffer takes
+   the restored tensor (a view of the buffer the file was read into) as its data,
+   in place, so the same Parameter objects stay in the optimizer. Only when every
+   live tensor is a plain CPU tensor that owns its memory alone (no view, no other
+   tensor or autograd graph sharing it), matches dtype, shape and strides, and no
+   module customises loading (hooks, ``_load_from_state_dict``); otherwise
    ``load_state_dict`` copies, with its own checks and error messages.
 """
 
@@ -35,7 +38,7 @@ import base64
 import random
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -47,8 +50,17 @@ RESERVED_ITEM_NAMES = frozenset({"state", "manifest", "metrics", "rng", "step"})
 _ITEM_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")
 
 
+class _Stateful(Protocol):
+    """An item of kind ``"state_dict"`` ([an item has state_dict or is a dict]; ``item_kind`` checks both
+    methods are callable)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any, /) -> Any: ...
+
+
 def item_kind(name: str, obj: object) -> str:
-    """``"state_dict"`` or ``"dict"``: how item ``name`` is captured (rule 2).
+    """``"state_dict"`` or ``"dict"``: how item ``name`` is captured ([an item has state_dict or is a dict]).
 
     Example:
         >>> item_kind("model", torch.nn.Linear(2, 2)), item_kind("extras", {"epoch": 1})
@@ -75,10 +87,10 @@ def check_item_name(name: str) -> None:
     """Reject names that are not identifiers or collide with torchckpt's own files.
 
     Example:
-        >>> check_item_name("state")
+        >>> check_item_name("state")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: item name 'state' is reserved (names torchckpt uses: manifest, metrics, rng, state, step); pick another name
+        ValueError: item name 'state' is reserved (names torchckpt uses: manifest, metrics, rng, state, step); ...
     """
     if name in RESERVED_ITEM_NAMES:
         reserved = ", ".join(sorted(RESERVED_ITEM_NAMES))
@@ -95,7 +107,7 @@ def capture_item(name: str, obj: object) -> tuple[str, Any]:
         ('dict', {'epoch': 2})
     """
     kind = item_kind(name, obj)
-    state = obj.state_dict() if kind == "state_dict" else dict(obj)  # type: ignore[attr-defined]
+    state = cast(_Stateful, obj).state_dict() if kind == "state_dict" else dict(cast(dict, obj))
     return kind, state
 
 
@@ -115,13 +127,15 @@ def apply_item(name: str, obj: object, kind: str, state: Any, source: str) -> No
             f"({type(obj).__qualname__}). Fix: pass the same kind of object that was saved."
         )
     if kind == "dict":
-        obj.clear()  # type: ignore[attr-defined]
-        obj.update(state)  # type: ignore[attr-defined]
+        live = cast(dict, obj)  # item_kind: type(obj) is dict
+        live.clear()
+        live.update(state)
         return
-    if isinstance(obj, torch.nn.Module) and _load_module_without_copy(obj, state):  # rule 5
+    # Note: [restore in place when nobody can tell]
+    if isinstance(obj, torch.nn.Module) and _load_module_without_copy(obj, state):
         return
     try:
-        obj.load_state_dict(state)  # type: ignore[attr-defined]
+        cast(_Stateful, obj).load_state_dict(state)
     except (RuntimeError, ValueError, KeyError, TypeError) as error:
         raise CheckpointMismatchError(
             f"{source}: item {name!r} ({type(obj).__qualname__}) rejected the saved state: {error}. "
@@ -132,7 +146,8 @@ def apply_item(name: str, obj: object, kind: str, state: Any, source: str) -> No
 
 
 def _load_module_without_copy(module: torch.nn.Module, state: Mapping[str, Any]) -> bool:
-    """Give ``module``'s tensors the restored ones as data, in place (rule 5); False if it must copy.
+    """Give ``module``'s tensors the restored ones as data, in place ([restore in place when nobody can tell]);
+    False if it must copy.
 
     Example:
         >>> layer = torch.nn.Linear(2, 2)
@@ -188,9 +203,10 @@ def _same_layout(tensor: torch.Tensor, restored: object) -> bool:
 
 
 def _prime_stateful_loader(obj: object) -> None:
-    """Create a restored StatefulDataLoader's iterator now, before RNG streams are restored (rule 4)."""
+    """Create a restored StatefulDataLoader's iterator now, before RNG streams are restored
+    ([RNG streams are restored last])."""
     if type(obj).__module__.startswith("torchdata.stateful_dataloader"):
-        obj.state_dict()  # type: ignore[attr-defined]  # builds the iterator the next `for` reuses
+        cast(_Stateful, obj).state_dict()  # builds the iterator the next `for` reuses
 
 
 def _text_of(state: np.ndarray) -> str:
@@ -202,7 +218,7 @@ def _array_of(text: str) -> np.ndarray:
 
 
 def capture_rng() -> dict[str, Any]:
-    """Every RNG stream's state, as JSON-able values (rule 1).
+    """Every RNG stream's state, as JSON-able values ([every RNG stream is captured]).
 
     Example:
         >>> sorted(capture_rng())
@@ -218,7 +234,7 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: Mapping[str, Any], source: str) -> None:
-    """Set every RNG stream from :func:`capture_rng`'s output (rule 1).
+    """Set every RNG stream from :func:`capture_rng`'s output ([every RNG stream is captured]).
 
     Example:
         >>> saved = capture_rng(); first = torch.rand(1)

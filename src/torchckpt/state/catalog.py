@@ -1,18 +1,22 @@
 """Reading checkpoints back: list steps, verify files against manifests, read verified bytes.
 
-Rules kept here:
+Rules kept here (named in ``docs/design.md``):
 
-1. (inv. 1) A step is valid only if its manifest parses and self-checks
-   (format.py rule 1) and every listed file exists with the listed size
-   (``verify="fast"``) and, with ``verify="full"``, the listed hash.
-2. Verification collects every problem of a step, each naming its file, and
-   never raises anything but :class:`CheckpointCorruptError` for bad data.
-3. Restore decodes from the very bytes that were hashed, so a file changed
-   between verification and loading cannot slip through.
-4. Each file is read once, into one buffer of its manifest size, piece by
-   piece; with ``verify="full"`` each piece is hashed in a second thread while
-   the next one is read (issue 4). The tensors restore decodes are views of
-   that buffer (codec.py rule 4): reading costs one pass over the bytes.
+1. **[valid means every listed file checks]** (Note: [no manifest, no checkpoint])
+   A step is valid only if its manifest parses and self-checks (format.py's
+   [parse_manifest is the only way in]) and every listed file exists with the
+   listed size (``verify="fast"``) and, with ``verify="full"``, the listed hash.
+2. **[verification reports every problem]** Verification collects every problem of
+   a step, each naming its file, and never raises anything but
+   :class:`CheckpointCorruptError` for bad data.
+3. **[decode the bytes that were hashed]** Restore decodes from the very bytes
+   that were hashed, so a file changed between verification and loading cannot
+   slip through.
+4. **[one read per file]** Each file is read once, into one buffer of its manifest
+   size, piece by piece; with ``verify="full"`` each piece is hashed in a second
+   thread while the next one is read. The tensors restore decodes are views of
+   that buffer (codec.py's [zero copy both ways]): reading costs one pass over the
+   bytes.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ def check_verify_mode(verify: str) -> None:
 
 
 def read_manifest(storage: Storage, step: int) -> Manifest:
-    """Parse and self-check the manifest of ``step`` (rule 1).
+    """Parse and self-check the manifest of ``step`` ([valid means every listed file checks]).
 
     Example:
         >>> read_manifest(open_storage("/nonexistent"), 1)  # doctest: +ELLIPSIS
@@ -127,7 +131,7 @@ def _read_checked(
     if problem is not None:
         return None, problem
     # torch.empty: no zero-fill (bytearray would write every page once more) and 64-byte aligned views
-    buffer = memoryview(torch.empty(expected.size_bytes, dtype=torch.uint8).numpy())
+    buffer = torch.empty(expected.size_bytes, dtype=torch.uint8).numpy().data  # ndarray.data: a memoryview
     hasher = new_hasher(algorithm) if algorithm is not None else None
     updates: list[Future[None]] = []
     hash_piece = None
@@ -151,7 +155,8 @@ def _read_checked(
 
 
 def read_step_files(storage: Storage, step: int, manifest: Manifest, verify: VerifyMode) -> dict[str, memoryview]:
-    """Bytes of every listed file, checked per ``verify`` (rules 1, 3, 4).
+    """Bytes of every listed file, checked per ``verify`` ([valid means every listed file checks],
+    [decode the bytes that were hashed], [one read per file]).
 
     Raises one :class:`CheckpointCorruptError` naming every bad file.
     """

@@ -1,30 +1,35 @@
 """Checkpointer: save, restore, retention, async writes, save policies and preemption.
 
-Rules kept here (DESIGN.md invariants in parentheses):
+Rules kept here (named in ``docs/design.md``; the design notes they keep in parentheses):
 
-1. (inv. 1) Restore reads only steps whose manifest validates; it takes the
-   newest such step, reports every corrupt newer one, and falls back unless
+1. **[restore takes the newest valid step]** (Note: [no manifest, no checkpoint])
+   Restore reads only steps whose manifest validates; it takes the newest such
+   step, reports every corrupt newer one, and falls back unless
    ``fallback=False``. If steps exist but none is valid it raises: starting from
    scratch silently would lose the run.
-2. (inv. 3) Retention runs after a commit, on valid committed steps only, and
-   always keeps the newest one. Temp directories of a save in flight are
-   invisible to it.
-3. At most one save is in flight. ``save`` first waits for the previous one and
-   re-raises its error; ``close``, ``restore`` and ``wait`` do the same.
-4. An async ``save`` copies tensors to host memory (a reused staging buffer)
-   before it returns, so training may mutate them while the background thread
-   hashes and writes. A sync ``save`` writes CPU tensors from their own memory.
-   With ``async_staging=True`` the parameters and optimizer state are copied
-   by the background thread instead, and every optimizer step (a global
-   pre-hook) waits until that copy is done (staging.py rule 4).
-5. A committed step is immutable: saving a step that already holds a valid
-   checkpoint is an error; a corrupt one is moved aside to ``.corrupt-*``.
-6. One writer per directory: the lock is taken when the Checkpointer is built
-   and leftovers of interrupted saves are cleaned only then.
-7. Each file is hashed while it is written: piece k is handed to a hashing
-   thread just before it is written (hashlib, zlib and xxhash release the GIL),
-   so a save costs about max(hash, write), never their sum, and no byte is
-   read twice from a joined copy.
+2. **[retention runs after a commit]** (Note: [retention spares the newest and the unfinished])
+   Retention runs after a commit, on valid committed steps only, and always keeps
+   the newest one. Temp directories of a save in flight are invisible to it.
+3. **[one save in flight]** At most one save is in flight. ``save`` first waits
+   for the previous one and re-raises its error; ``close``, ``restore`` and
+   ``wait`` do the same.
+4. **[async saves copy before returning]** An async ``save`` copies tensors to
+   host memory (a reused staging buffer) before it returns, so training may mutate
+   them while the background thread hashes and writes. A sync ``save`` writes CPU
+   tensors from their own memory. With ``async_staging=True`` the parameters and
+   optimizer state are copied by the background thread instead, and every
+   optimizer step (a global pre-hook) waits until that copy is done (staging.py's
+   [optimizer steps wait for staging]).
+5. **[committed steps are immutable]** A committed step is immutable: saving a
+   step that already holds a valid checkpoint is an error; a corrupt one is moved
+   aside to ``.corrupt-*``.
+6. **[one writer per directory]** One writer per directory: the lock is taken when
+   the Checkpointer is built and leftovers of interrupted saves are cleaned only
+   then.
+7. **[hash while writing]** Each file is hashed while it is written: piece k is
+   handed to a hashing thread just before it is written (hashlib, zlib and xxhash
+   release the GIL), so a save costs about max(hash, write), never their sum, and
+   no byte is read twice from a joined copy.
 """
 
 from __future__ import annotations
@@ -84,20 +89,22 @@ class Checkpointer:
         >>> tmp.cleanup()
     """
 
-    def __init__(self, directory: str | os.PathLike[str], config: CheckpointerConfig | None = None, **options: Any) -> None:
+    def __init__(self, directory: str | os.PathLike[str], config: CheckpointerConfig | None = None,
+                 **options: Any) -> None:
         if config is not None and options:
             raise TypeError(f"pass either config= or keyword options, not both (got {sorted(options)})")
         self.config = config if config is not None else CheckpointerConfig(**options)
         self._storage: Storage = open_storage(directory)
         self._executor: ThreadPoolExecutor | None = None
-        self._staging = HostStaging()  # used by async saves only (rule 4)
+        self._staging = HostStaging()  # used by async saves only ([async saves copy before returning])
         self._inflight: Future[None] | None = None
-        self._staged: threading.Event | None = None  # set once background staging is done (rule 4)
+        # Set once background staging is done (staging.py's [optimizer steps wait for staging]).
+        self._staged: threading.Event | None = None
         self._step_guard: Any = None  # the optimizer-step pre-hook handle while staging may be pending
         self.optimizer_wait_s = 0.0  # time optimizer steps spent waiting for background staging
         self._last_step: int | None = None
         self._closed = False
-        self._storage.acquire_lock()  # rule 6
+        self._storage.acquire_lock()  # [one writer per directory]
         try:
             self._storage.clean_leftovers()
             signals = parse_signals(self.config.preemption_signals)
@@ -137,13 +144,13 @@ class Checkpointer:
             >>> ckpt.save(10, model=torch.nn.Linear(2, 2), extras={"epoch": 1}); ckpt.close(); tmp.cleanup()
         """
         self._check_open()
-        self.wait()  # rule 3
+        self.wait()  # [one save in flight]
         check_step(step)
         self._check_step_free(step)
         checked_metrics = {
             check_metric_name(name): metric_value(name, value) for name, value in (metrics or {}).items()
         }
-        files = self._snapshot(step, items, checked_metrics)  # rule 4
+        files = self._snapshot(step, items, checked_metrics)  # [async saves copy before returning]
         if self.config.async_staging and self._staging.deferred_count:
             self._staged = threading.Event()
             self._step_guard = register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -205,7 +212,7 @@ class Checkpointer:
     def _snapshot(self, step: int, items: Mapping[str, Any], metrics: Mapping[str, float]) -> dict[str, FileChunks]:
         captured = {name: capture_item(name, obj) for name, obj in items.items()}
         rng = capture_rng() if self.config.capture_rng else None
-        staging = self._staging if self.config.async_save else None  # rule 4
+        staging = self._staging if self.config.async_save else None  # [async saves copy before returning]
         defer = changed_only_by_optimizer_steps(items) if self.config.async_staging else None
         return encode_snapshot(step=step, items=captured, rng=rng, metrics=metrics, staging=staging, defer=defer)
 
@@ -270,7 +277,7 @@ class Checkpointer:
         if step not in self._storage.step_entries():
             return
         info = inspect_step(self._storage, step, "fast")
-        if info.valid:  # rule 5
+        if info.valid:  # [committed steps are immutable]
             raise CheckpointExistsError(
                 f"{info.path} already holds a valid checkpoint of step {step}; committed steps are "
                 "never overwritten. Fix: save under a new step number, or delete that directory."
@@ -282,7 +289,7 @@ class Checkpointer:
             return
         infos = [inspect_step(self._storage, step, "fast") for step in self._storage.step_entries()]
         valid = {info.step: info.metrics for info in infos if info.valid}
-        for step in sorted(set(valid) - steps_to_keep(valid, policy)):  # rule 2
+        for step in sorted(set(valid) - steps_to_keep(valid, policy)):  # [retention runs after a commit]
             self._storage.remove_step(step)
 
     def _pool(self) -> ThreadPoolExecutor:
@@ -291,7 +298,8 @@ class Checkpointer:
         return self._executor
 
     def wait(self) -> None:
-        """Block until the in-flight save (if any) is committed; re-raise its error (rule 3).
+        """Block until the in-flight save (if any) is committed; re-raise its error
+        ([one save in flight]).
 
         Example:
             >>> import tempfile
@@ -364,7 +372,7 @@ class Checkpointer:
         for name, obj in items.items():
             kind, state = snapshot.items[name]
             apply_item(name, obj, kind, state, state_path)
-        if rng or (rng is None and self.config.capture_rng and snapshot.rng is not None):
+        if snapshot.rng is not None and (rng or (rng is None and self.config.capture_rng)):
             restore_rng(snapshot.rng, state_path)
 
     # ----- inspecting and closing ---------------------------------------------------------
@@ -424,7 +432,8 @@ class Checkpointer:
 def _write_hashed(
     writer: StepWriter, name: str, chunks: FileChunks, algorithm: str, hash_thread: ThreadPoolExecutor
 ) -> FileEntry:
-    """Write one file and hash it on the way (rule 7): each piece is queued for hashing, then written."""
+    """Write one file and hash it on the way ([hash while writing]): each piece is queued for hashing, then
+    written."""
     hasher = new_hasher(algorithm)
     updates: list[Future[None]] = []
 

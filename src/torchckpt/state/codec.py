@@ -1,27 +1,26 @@
 """Pickle-free codecs: a state_dict becomes safetensors (tensors) plus JSON (everything else).
 
-Rules kept here:
+Rules kept here (named in ``docs/design.md``):
 
-1. (inv. 2) Nothing here unpickles. Bytes are decoded only by ``json`` and by
-   the safetensors header parser below, which checks every rule of the
-   safetensors format as the reference library does (dtype names, shapes,
-   offsets that tile the data exactly) before it makes a single view; a file
-   that looks like a pickle or a ``torch.save`` zip is refused before any
-   parser sees it. The tests check that the reference ``safetensors`` reads
-   what we write and refuses what we refuse.
-2. Round trips are exact: tensors keep dtype, shape and bits; Python floats go
-   through ``repr`` (exact); tuples, int dict keys, NumPy arrays and scalars are
-   tagged so they come back with the same type. Anything else is an error that
-   names its path, never a silent ``str()``.
-3. Tensor keys are the path of the tensor in the tree joined by ``.``, so a
-   model's flat state_dict is stored under its own keys (``torchckpt export``
-   relies on this).
-4. Zero copy both ways (issue 4). A safetensors file is written as chunks: its
-   header, then each host tensor's own memory (:func:`safetensors_chunks`);
-   nothing is joined. Decoding makes each tensor of 1 MiB or more a view of the
-   buffer the file was read (and hashed) into; smaller tensors, and any whose
-   offset does not suit its dtype's alignment (files written by other tools),
-   are copied into their own memory.
+1. **[pickles are refused unread]** (Note: [no pickle]) Nothing here unpickles.
+   Bytes are decoded only by ``json`` and by the safetensors header parser below,
+   which checks every rule of the safetensors format as the reference library does
+   (dtype names, shapes, offsets that tile the data exactly) before it makes a
+   single view; a file that looks like a pickle or a ``torch.save`` zip is refused
+   before any parser sees it. The tests check that the reference ``safetensors``
+   reads what we write and refuses what we refuse.
+2. **[round trips are exact]** Round trips are exact: tensors keep dtype, shape
+   and bits; Python floats go through ``repr`` (exact); tuples, int dict keys,
+   NumPy arrays and scalars are tagged so they come back with the same type.
+   Anything else is an error that names its path, never a silent ``str()``.
+3. **[tensor keys are tree paths]** Tensor keys are the path of the tensor in the
+   tree joined by ``.``, so a model's flat state_dict is stored under its own keys
+   (``torchckpt export`` relies on this).
+4. **[zero copy both ways]** A safetensors file is written as chunks: its header,
+   then each host tensor's own memory (:func:`safetensors_chunks`); nothing is joined. Decoding makes each tensor of
+   1 MiB or more a view of the buffer the file was read (and hashed) into; smaller
+   tensors, and any whose offset does not suit its dtype's alignment (files
+   written by other tools), are copied into their own memory.
 """
 
 from __future__ import annotations
@@ -218,7 +217,7 @@ def encode_json(tree: Any) -> bytes:
 
 
 def decode_json(data: bytes | memoryview, path: str) -> Any:
-    """Parse JSON bytes read from ``path``; refuses pickles (rule 1).
+    """Parse JSON bytes read from ``path``; refuses pickles ([pickles are refused unread]).
 
     Example:
         >>> decode_json(b"[1, 2]", "x.json")
@@ -242,7 +241,7 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 
 
 def safetensors_chunks(tensors: Mapping[str, torch.Tensor]) -> list[bytes | memoryview]:
-    """A safetensors file of CPU contiguous tensors as chunks to write in order (rule 4).
+    """A safetensors file of CPU contiguous tensors as chunks to write in order ([zero copy both ways]).
 
     The first chunk is the 8-byte length plus the JSON header; every other chunk
     is a view of one tensor's memory, so nothing is copied: the caller must not
@@ -266,7 +265,7 @@ def _tensor_memory(key: str, tensor: torch.Tensor) -> memoryview:
             f"tensor {key!r} is on {tensor.device}, contiguous={tensor.is_contiguous()}; expected a "
             "contiguous CPU tensor. Fix: pass tensor.cpu().contiguous() (snapshot.py does)."
         )
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data  # ndarray.data: a memoryview of its bytes
 
 
 def encode_safetensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
@@ -298,10 +297,11 @@ _DTYPES_BY_NAME: dict[str, torch.dtype] = {name: dtype for dtype, name in SAFETE
 
 
 def decode_safetensors(data: bytes | memoryview | torch.Tensor, path: str) -> dict[str, torch.Tensor]:
-    """Parse safetensors bytes read from ``path`` into tensors that view ``data``; refuses pickles (rule 1).
+    """Parse safetensors bytes read from ``path`` into tensors that view ``data``; refuses pickles
+    ([pickles are refused unread]).
 
     ``data`` may be a writable buffer (what restore reads into: the tensors are views
-    of it, rule 4), a ``torch.uint8`` tensor, or ``bytes`` (copied once, then viewed).
+    of it, [zero copy both ways]), a ``torch.uint8`` tensor, or ``bytes`` (copied once, then viewed).
 
     Example:
         >>> decode_safetensors(b"\\x80\\x04junk", "m.safetensors")  # doctest: +ELLIPSIS
@@ -309,7 +309,7 @@ def decode_safetensors(data: bytes | memoryview | torch.Tensor, path: str) -> di
         ...
         torchckpt.state.errors.UnsafeFileError: m.safetensors: ...
     """
-    view = memoryview(data.numpy()) if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
+    view = data.numpy().data if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
     header_bytes = int.from_bytes(view[:8], "little") if len(view) >= 8 else -1
     if not (0 < header_bytes <= min(len(view) - 8, _SAFETENSORS_MAX_HEADER_BYTES)) or view[8:9] != b"{":
         # Checked only here: a valid header length (e.g. 0x280) may start with pickle's magic.

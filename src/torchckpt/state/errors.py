@@ -1,7 +1,7 @@
 """Errors raised by ``torchckpt.state``.
 
 Every message names the path, what was expected, what was found, and the fix
-(STYLE.md habit 4). All derive from :class:`CheckpointError`, so a caller (or
+(Note: [errors say what to do]). All derive from :class:`CheckpointError`, so a caller (or
 the CLI) can catch one type and print the message without a traceback.
 """
 

@@ -1,6 +1,6 @@
 """On-disk layout of a training-state checkpoint, its manifest, and file hashing.
 
-Layout (see DESIGN.md, "State checkpoint layout")::
+Layout (``docs/design.md``, Note: [state layout])::
 
     runs/exp/
       step-000001200/
@@ -11,18 +11,22 @@ Layout (see DESIGN.md, "State checkpoint layout")::
         manifest.json            written last: every file with size and hash
       .tmp-step-000001300-<id>/  a save in flight (local back end); removed at start-up
 
-Rules kept here (numbers refer to DESIGN.md invariants):
+Rules kept here (named in ``docs/design.md``; the design notes they keep in parentheses):
 
-1. (inv. 1) A directory is a checkpoint only if ``manifest.json`` parses, its
-   own ``manifest_hash`` matches, and it lists every file with size and hash.
+1. **[parse_manifest is the only way in]** (Note: [no manifest, no checkpoint]) A
+   directory is a checkpoint only if ``manifest.json`` parses, its own
+   ``manifest_hash`` matches, and it lists every file with size and hash.
    :func:`parse_manifest` is the only way a manifest is read.
-2. The manifest hashes its own canonical JSON, so a flipped byte in the
-   manifest itself is detected, not just in the files it lists.
-3. The manifest records the name of its file hash algorithm; every name that
-   was ever a default stays in :data:`HASH_ALGORITHMS`, so a checkpoint written
-   with an older default (``sha256`` before issue 4) still verifies.
-4. Hashes are incremental (``update`` per chunk): a file is hashed while it is
-   written or read, chunk by chunk, never as one more pass over a joined copy.
+2. **[the manifest hashes itself]** The manifest hashes its own canonical JSON, so
+   a flipped byte in the manifest itself is detected, not just in the files it
+   lists.
+3. **[old hash names stay]** The manifest records the name of its file hash
+   algorithm; every name that was ever a default stays in :data:`HASH_ALGORITHMS`,
+   so a checkpoint written with an older default (``sha256``, before the zero-copy
+   I/O work) still verifies.
+4. **[hashes are incremental]** Hashes are incremental (``update`` per chunk): a
+   file is hashed while it is written or read, chunk by chunk, never as one more
+   pass over a joined copy.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import re
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from torchckpt.state.errors import CheckpointCorruptError
 
@@ -101,10 +105,11 @@ def _xxh3_128() -> Hasher:
     return xxhash.xxh3_128()
 
 
-# Registry of incremental hashers by the name a manifest records (an explicit registry, STYLE.md
-# habit 9). Every name ever written stays here, so old checkpoints keep verifying (rule 3).
-# xxh3_128 is the default since issue 4: ~15 GB/s here against ~1.5 GB/s for sha256 (which was the
-# default before and made hashing as slow as the disk); measured in bench/state/bench_hash.py.
+# Registry of incremental hashers by the name a manifest records (an explicit registry,
+# Note: [no global state but registries]). Every name ever written stays here, so old checkpoints keep
+# verifying ([old hash names stay]). xxh3_128 is the default since the zero-copy I/O work: ~15 GB/s here
+# against ~1.5 GB/s for sha256 (which was the default before and made hashing as slow as the disk);
+# measured in bench/state/bench_hash.py.
 HASH_ALGORITHMS: Mapping[str, Callable[[], Hasher]] = {
     "xxh3_128": _xxh3_128,
     "sha256": hashlib.sha256,
@@ -189,7 +194,7 @@ class Manifest:
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
-    """Serialise a manifest, adding ``manifest_hash`` over the rest of it (rule 2).
+    """Serialise a manifest, adding ``manifest_hash`` over the rest of it ([the manifest hashes itself]).
 
     Example:
         >>> m = Manifest(step=3, created_unix_s=1.0, hash_algorithm="sha256", files={})
@@ -217,7 +222,7 @@ def _manifest_body(manifest: Manifest) -> dict[str, Any]:
 
 
 def parse_manifest(data: bytes, path: str) -> Manifest:
-    """Parse and self-check manifest bytes read from ``path`` (rule 1).
+    """Parse and self-check manifest bytes read from ``path`` ([parse_manifest is the only way in]).
 
     Raises :class:`CheckpointCorruptError` naming ``path`` and the problem.
 
@@ -268,7 +273,7 @@ def _manifest_from_body(body: dict[str, Any], path: str) -> Manifest:
         _corrupt(path, f"missing or malformed field ({error!r})")
 
 
-def _corrupt(path: str, problem: str) -> None:
+def _corrupt(path: str, problem: str) -> NoReturn:
     raise CheckpointCorruptError(f"{path}: {problem}", {path: problem})
 
 

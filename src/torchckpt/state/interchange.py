@@ -1,13 +1,14 @@
 """Interchange with other formats: import a ``torch.save`` file, export model weights.
 
-Rules kept here:
+Rules kept here (named in ``docs/design.md``; the design notes they keep in parentheses):
 
-1. (inv. 2) A ``torch.save`` file is read only with ``torch.load(weights_only=True)``,
-   PyTorch's restricted unpickler that builds tensors and plain containers and
-   refuses everything else (no code from the file runs). Refusals are explained.
-2. Export writes the model's tensors under their state_dict keys into one
-   safetensors file, through a temp file and a rename, so a crash never leaves
-   a half-written output.
+1. **[torch.load only with weights_only]** (Note: [no pickle]) A ``torch.save`` file
+   is read only with ``torch.load(weights_only=True)``, PyTorch's restricted unpickler
+   that builds tensors and plain containers and refuses everything else (no code from
+   the file runs). Refusals are explained.
+2. **[export is atomic]** Export writes the model's tensors under their state_dict
+   keys into one safetensors file, through a temp file and a rename, so a crash never
+   leaves a half-written output.
 """
 
 from __future__ import annotations
@@ -117,8 +118,8 @@ def _item_name(key: str) -> str | None:
 def import_torch_save(path: str | os.PathLike[str], directory: str | os.PathLike[str], step: int | None = None) -> int:
     """Convert a ``torch.save`` file into a torchckpt checkpoint; returns its step.
 
-    The file is read with ``weights_only=True`` only (rule 1). Items: ``model``,
-    ``optimizer``, ``scheduler`` (from common key names), other dicts under their
+    The file is read with ``weights_only=True`` only ([torch.load only with weights_only]).
+    Items: ``model``, ``optimizer``, ``scheduler`` (from common key names), other dicts under their
     own names, and scalars in ``extras``. The step comes from ``step`` or a
     ``step``/``global_step`` key, else 0. Imported steps carry no RNG streams.
 
@@ -137,7 +138,7 @@ def import_torch_save(path: str | os.PathLike[str], directory: str | os.PathLike
     source = os.fspath(path)
     items, found_step = split_legacy_items(_load_weights_only(source), source)
     chosen = step if step is not None else (found_step if found_step is not None else 0)
-    stored = {name: (value if name == "extras" else _StoredState(value)) for name, value in items.items()}
+    stored: dict[str, Any] = {name: value if name == "extras" else _StoredState(value) for name, value in items.items()}
     with Checkpointer(directory, capture_rng=False) as checkpointer:
         checkpointer.save(chosen, **stored)
     return chosen
@@ -151,7 +152,7 @@ def export_model_weights(
 ) -> int:
     """Write the model weights of the newest valid step (or ``step``) to one safetensors file.
 
-    Keys are the model's state_dict keys (rule 2); non-tensor entries are left out.
+    Keys are the model's state_dict keys ([export is atomic]); non-tensor entries are left out.
     Returns the exported step.
 
     Example:
@@ -169,7 +170,8 @@ def export_model_weights(
     if snapshot is None:
         raise CheckpointNotFoundError(f"{storage.location}: no checkpoint to export")
     if item not in snapshot.items:
-        raise CheckpointMismatchError(f"{storage.location}: step {snapshot.step} has no item {item!r}; it holds {list(snapshot.item_names)}")
+        raise CheckpointMismatchError(f"{storage.location}: step {snapshot.step} has no item {item!r}; "
+                                      f"it holds {list(snapshot.item_names)}")
     _, state = snapshot.items[item]
     tensors = {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
     _write_safetensors_atomically(tensors, os.fspath(out), {"torchckpt_step": str(snapshot.step)})
@@ -184,4 +186,5 @@ def _write_safetensors_atomically(tensors: Mapping[str, torch.Tensor], out: str,
     except OSError as error:
         if os.path.exists(temp):
             os.remove(temp)
-        raise CheckpointError(f"{out}: could not write the export ({error}). Fix: check the path and free space.") from error
+        raise CheckpointError(f"{out}: could not write the export ({error}). "
+                              "Fix: check the path and free space.") from error

@@ -1,12 +1,13 @@
 """Opt-in preemption handling: SIGTERM/SIGINT request a save at the next safe point.
 
-Rules kept here:
+Rules kept here (named in ``docs/design.md``):
 
-1. The signal handler only records the request. Saving inside a handler could
-   capture a half-updated optimizer; the save happens in ``maybe_save``, between
-   training steps, where state is consistent.
-2. A second signal of the same kind restores the previous handler and
-   re-delivers the signal, so a user pressing Ctrl-C twice still stops the job.
+1. **[the handler only records]** The signal handler only records the request.
+   Saving inside a handler could capture a half-updated optimizer; the save
+   happens in ``maybe_save``, between training steps, where state is consistent.
+2. **[a second signal stops]** A second signal of the same kind restores the
+   previous handler and re-delivers the signal, so a user pressing Ctrl-C twice
+   still stops the job.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def parse_signals(names: Sequence[str]) -> tuple[signal.Signals, ...]:
 
 
 class PreemptionHandler:
-    """Installs handlers that set :attr:`requested` (rule 1); :meth:`uninstall` puts the old ones back."""
+    """Installs handlers that set :attr:`requested` ([the handler only records]); :meth:`uninstall` puts
+    the old ones back."""
 
     def __init__(self, signals: Sequence[signal.Signals]) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -54,7 +56,7 @@ class PreemptionHandler:
         if self.requested is None:
             self.requested = sig
             return
-        signal.signal(sig, self._previous.get(sig, signal.SIG_DFL))  # rule 2
+        signal.signal(sig, self._previous.get(sig, signal.SIG_DFL))  # [a second signal stops]
         os.kill(os.getpid(), sig)
 
     def uninstall(self) -> None:

@@ -1,13 +1,15 @@
 """Find and decode the newest valid step: the read path shared by restore, export and the CLI.
 
-Rules kept here:
+Rules kept here (named in ``docs/design.md``; the design notes they keep in parentheses):
 
-1. (inv. 1) Only steps whose manifest validates are decoded; bytes are decoded
-   from exactly what was verified (catalog.py rule 3).
-2. Corrupt newer steps are reported (a warning naming each file and problem)
-   and skipped when ``fallback`` is on; with it off, the newest step's problem
-   is raised. If steps exist but none is valid, that is an error, never "no
-   checkpoint": starting from scratch silently would lose the run.
+1. **[only verified steps are decoded]** (Note: [no manifest, no checkpoint]) Only
+   steps whose manifest validates are decoded; bytes are decoded from exactly what
+   was verified (catalog.py's [decode the bytes that were hashed]).
+2. **[corrupt newer steps are reported]** Corrupt newer steps are reported (a
+   warning naming each file and problem) and skipped when ``fallback`` is on; with
+   it off, the newest step's problem is raised. If steps exist but none is valid,
+   that is an error, never "no checkpoint": starting from scratch silently would
+   lose the run.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def read_newest_valid(
     fallback: bool,
     wanted: Collection[str] | None,
 ) -> Snapshot | None:
-    """The newest valid step (or ``step``), decoded; None if the directory has no steps (rule 2).
+    """The newest valid step (or ``step``), decoded; None if the directory has no steps
+    ([corrupt newer steps are reported]).
 
     Example:
         >>> from torchckpt.state.storage import open_storage

@@ -1,11 +1,14 @@
 """Which committed steps to keep: keep_last, keep_best, keep_every (a pure function).
 
-Rules kept here:
+Rules kept here (named in ``docs/design.md``; the design notes they keep in parentheses):
 
-1. (inv. 3) The newest valid step is always kept, whatever the policy.
-2. Only valid, committed steps are candidates for deletion; steps being written
-   (temp directories) and corrupt steps are never passed in, so never deleted.
-3. A step is kept if any rule keeps it. With no rule set, every step is kept.
+1. **[the newest valid step is always kept]** (Note: [retention spares the newest and the unfinished])
+   The newest valid step is always kept, whatever the policy.
+2. **[only committed steps are candidates]** Only valid, committed steps are
+   candidates for deletion; steps being written (temp directories) and corrupt
+   steps are never passed in, so never deleted.
+3. **[a step is kept if any policy keeps it]** A step is kept if any rule keeps
+   it. With no rule set, every step is kept.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ class RetentionPolicy:
 
     @property
     def keeps_everything(self) -> bool:
-        """True when no rule is set (rule 3)."""
+        """True when no rule is set ([a step is kept if any policy keeps it])."""
         return self.keep_last is None and self.keep_best is None and self.keep_every is None
 
 
@@ -60,7 +63,7 @@ def _check_keep_best(keep_best: object) -> None:
 
 
 def steps_to_keep(valid_steps: Mapping[int, Mapping[str, float]], policy: RetentionPolicy) -> set[int]:
-    """Steps to keep among ``valid_steps`` (step -> metrics), per rules 1-3.
+    """Steps to keep among ``valid_steps`` (step -> metrics), per the rules above.
 
     Example:
         >>> steps = {10: {"loss": 3.0}, 20: {"loss": 1.0}, 30: {"loss": 2.0}, 40: {"loss": 4.0}}

@@ -1,17 +1,18 @@
 """A step's state as files: items split into ``NAME.safetensors`` / ``NAME.json`` / ``state.json``.
 
-Rules kept here:
+Rules kept here (named in ``docs/design.md``):
 
-1. An item's tensors go to ``NAME.safetensors``. Its tree (the state_dict with
-   tensors replaced by references) goes to ``NAME.json`` when it has tensors
-   and is not simply a flat map of them (the optimizer's param_groups and step
-   counts); a model needs no JSON; items without tensors (scheduler, data
-   loader, user dicts) live in ``state.json`` with the step, metrics and RNG.
-2. Encoding happens synchronously and produces each file as chunks to write:
-   JSON bytes, safetensors headers and views of host tensor memory. For a sync
-   save those views are the live tensors (no copy); for an async save they are
-   views of the host staging buffer, filled here, which the background thread
-   writes while training mutates the live tensors (staging.py).
+1. **[tensors to safetensors, the rest to JSON]** An item's tensors go to
+   ``NAME.safetensors``. Its tree (the state_dict with tensors replaced by
+   references) goes to ``NAME.json`` when it has tensors and is not simply a flat
+   map of them (the optimizer's param_groups and step counts); a model needs no
+   JSON; items without tensors (scheduler, data loader, user dicts) live in
+   ``state.json`` with the step, metrics and RNG.
+2. **[encoding is synchronous]** Encoding happens synchronously and produces each
+   file as chunks to write: JSON bytes, safetensors headers and views of host
+   tensor memory. For a sync save those views are the live tensors (no copy); for
+   an async save they are views of the host staging buffer, filled here, which the
+   background thread writes while training mutates the live tensors (staging.py).
 """
 
 from __future__ import annotations
@@ -89,11 +90,13 @@ def encode_snapshot(
     staging: HostStaging | None = None,
     defer: Callable[[torch.Tensor], bool] | None = None,
 ) -> dict[str, FileChunks]:
-    """Files (name -> chunks to write in order) of one step, ``state.json`` included (rules 1, 2).
+    """Files (name -> chunks to write in order) of one step, ``state.json`` included
+    ([tensors to safetensors, the rest to JSON], [encoding is synchronous]).
 
     With ``staging`` every tensor is copied into its buffer (an async save);
     without, the chunks view the tensors' own memory (a sync save). ``defer``
-    picks tensors whose copy is left to ``staging.finish()`` (staging.py rule 4).
+    picks tensors whose copy is left to ``staging.finish()`` (staging.py's
+    [optimizer steps wait for staging]).
 
     Example:
         >>> sorted(encode_snapshot(step=1, items={"model": ("state_dict", {"w": torch.ones(1)})},
@@ -156,7 +159,8 @@ def decode_snapshot(
         raise CheckpointCorruptError(f"{path_of(STATE_NAME)}: {problem}", {path_of(STATE_NAME): problem}) from None
 
 
-def _decode_item(meta: Mapping[str, Any], files: Mapping[str, bytes | memoryview], path_of: Callable[[str], str]) -> tuple[str, Any]:
+def _decode_item(meta: Mapping[str, Any], files: Mapping[str, bytes | memoryview],
+                 path_of: Callable[[str], str]) -> tuple[str, Any]:
     kind, state = _decode_item_state(meta, files, path_of)
     if meta.get("module_metadata") is not None:
         state = OrderedDict(state)

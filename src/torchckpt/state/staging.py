@@ -1,29 +1,31 @@
 """Host memory for snapshots: where an async save's tensors are copied before training goes on.
 
-Rules kept here:
+Rules kept here (named in ``docs/design.md``):
 
-1. A sync save copies nothing: CPU tensors are written straight from their own
-   memory while the caller waits (codec.py rule 4); device tensors are copied
-   to host once (``.cpu()``).
-2. An async save copies every tensor once, synchronously, into one host buffer
-   that the Checkpointer keeps and reuses: that copy is the whole blocking part
-   of an async save. A fresh buffer would cost a page fault per 4 KiB on every
-   save (measured: the copy into fresh memory is 3-10x slower than into a warm
-   buffer, bench/state/bench_throughput.py), so the buffer is kept while the
-   state keeps its size. It is pinned when tensors live on a CUDA device, so
-   device-to-host copies run at full speed.
-3. The buffer is reused only after the previous save that wrote from it has
-   committed or failed: the Checkpointer allows one save in flight and waits
-   for it before the next copy (checkpointer.py rule 3).
-4. Background staging (``async_staging=True``, opt-in): tensors that only an
-   optimizer step changes (parameters, optimizer state; CPU only) are laid out
-   by :meth:`HostStaging.copy` but copied by :meth:`HostStaging.finish`, which
-   the save's background thread runs while training computes its next forward
-   and backward. The Checkpointer makes every optimizer step wait until
-   ``finish`` is done. ``finish`` compares each source's version counter with
-   the one it had when the save began, so an in-place change made outside an
-   optimizer step (an EMA update under ``no_grad``) fails the save loudly
-   instead of writing a torn state.
+1. **[sync saves copy nothing]** A sync save copies nothing: CPU tensors are
+   written straight from their own memory while the caller waits (codec.py's
+   [zero copy both ways]); device tensors are copied to host once (``.cpu()``).
+2. **[one reused host buffer]** An async save copies every tensor once,
+   synchronously, into one host buffer that the Checkpointer keeps and reuses:
+   that copy is the whole blocking part of an async save. A fresh buffer would
+   cost a page fault per 4 KiB on every save (measured: the copy into fresh memory
+   is 3-10x slower than into a warm buffer, bench/state/bench_throughput.py), so
+   the buffer is kept while the state keeps its size. It is pinned when tensors
+   live on a CUDA device, so device-to-host copies run at full speed.
+3. **[the buffer waits for the last save]** The buffer is reused only after the
+   previous save that wrote from it has committed or failed: the Checkpointer
+   allows one save in flight and waits for it before the next copy
+   (checkpointer.py's [one save in flight]).
+4. **[optimizer steps wait for staging]** Background staging
+   (``async_staging=True``, opt-in): tensors that only an optimizer step changes
+   (parameters, optimizer state; CPU only) are laid out by
+   :meth:`HostStaging.copy` but copied by :meth:`HostStaging.finish`, which the
+   save's background thread runs while training computes its next forward and
+   backward. The Checkpointer makes every optimizer step wait until ``finish`` is
+   done. ``finish`` compares each source's version counter with the one it had
+   when the save began, so an in-place change made outside an optimizer step (an
+   EMA update under ``no_grad``) fails the save loudly instead of writing a torn
+   state.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ _ALIGN_BYTES = 64  # every tensor starts on a cache line, so any dtype can view 
 
 
 def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU contiguous versions of ``tensors``: the same tensors when already there (rule 1).
+    """CPU contiguous versions of ``tensors``: the same tensors when already there
+    ([sync saves copy nothing]).
 
     Example:
         >>> weight = torch.ones(2)
@@ -48,7 +51,7 @@ def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class HostStaging:
-    """One reusable host buffer that async saves copy their tensors into (rule 2).
+    """One reusable host buffer that async saves copy their tensors into ([one reused host buffer]).
 
     Example:
         >>> staging = HostStaging()
@@ -78,8 +81,8 @@ class HostStaging:
         """Copy every tensor of ``groups`` into the buffer; returns views with the same keys.
 
         Tensors for which ``defer(tensor)`` is true (CPU ones only) are left for
-        :meth:`finish` (rule 4). The views stay valid until the next :meth:`copy`
-        or :meth:`release`.
+        :meth:`finish` ([optimizer steps wait for staging]). The views stay valid
+        until the next :meth:`copy` or :meth:`release`.
         """
         offsets, total_bytes = _layout(groups)
         on_cuda = any(tensor.is_cuda for group in groups for tensor in group.values())
@@ -105,7 +108,8 @@ class HostStaging:
         return len(self._deferred)
 
     def finish(self) -> list[str]:
-        """Copy the tensors :meth:`copy` deferred (rule 4); returns the keys of those changed in place since.
+        """Copy the tensors :meth:`copy` deferred ([optimizer steps wait for staging]); returns the keys of
+        those changed in place since.
 
         Example:
             >>> staging, weight = HostStaging(), torch.ones(2)
@@ -166,7 +170,8 @@ def _copy_into(buffer: torch.Tensor, offset: int, tensor: torch.Tensor) -> torch
 
 
 def changed_only_by_optimizer_steps(items: Mapping[str, Any]) -> Callable[[torch.Tensor], bool]:
-    """Predicate for the tensors background staging may copy late (rule 4): parameters, optimizer state.
+    """Predicate for the tensors background staging may copy late ([optimizer steps wait for staging]): parameters,
+    optimizer state.
 
     Example:
         >>> model = torch.nn.Linear(2, 2)

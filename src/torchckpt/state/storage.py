@@ -1,19 +1,26 @@
 """Where checkpoint bytes live: the local filesystem, or any fsspec URL; atomic commit protocols.
 
-Rules kept here:
+This module holds the interfaces, the local back end and the helpers both back ends share; the fsspec
+back end is ``storage_fsspec.py``.
 
-1. (inv. 1) Local commit: every file is written into ``.tmp-step-N-<id>/`` and
-   fsynced, then ``manifest.json`` is written and fsynced, then the temp
-   directory is fsynced, renamed to ``step-N`` and the parent is fsynced. A
-   crash at any point leaves either no ``step-N`` or a complete one.
-2. (inv. 1) Remote commit (fsspec, no atomic rename): files go straight into
-   ``step-N/`` and the manifest is written last; it is the commit mark. Removal
-   deletes the manifest first, so a half-removed step is never trusted.
-3. (inv. 3) Only a writer holding the lock cleans leftovers (``.tmp-*``,
-   ``.trash-*``, remote steps without a manifest), so it never deletes a save
-   that another live process is still writing.
-4. Retention removes a local step by renaming it to ``.trash-*`` first, so a
-   crash mid-delete never leaves a half-deleted ``step-N``.
+Rules kept here (named in ``docs/design.md``; the design notes they keep in parentheses):
+
+1. **[local commit is a rename]** (Note: [no manifest, no checkpoint]) Local
+   commit: every file is written into ``.tmp-step-N-<id>/`` and fsynced, then
+   ``manifest.json`` is written and fsynced, then the temp directory is fsynced,
+   renamed to ``step-N`` and the parent is fsynced. A crash at any point leaves
+   either no ``step-N`` or a complete one.
+2. **[manifest is the commit mark]** (Note: [no manifest, no checkpoint]) Remote
+   commit (fsspec, no atomic rename): files go straight into ``step-N/`` and the
+   manifest is written last; it is the commit mark. Removal deletes the manifest
+   first, so a half-removed step is never trusted.
+3. **[only the lock holder cleans]** (Note: [retention spares the newest and the unfinished])
+   Only a writer holding the lock cleans leftovers (``.tmp-*``, ``.trash-*``, remote
+   steps without a manifest), so it never deletes a save that another live process
+   is still writing.
+4. **[delete by renaming to trash]** Retention removes a local step by renaming it
+   to ``.trash-*`` first, so a crash mid-delete never leaves a half-deleted
+   ``step-N``.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 
 from torchckpt.state.errors import CheckpointLockedError, CheckpointWriteError
 from torchckpt.state.format import (
@@ -41,7 +48,8 @@ from torchckpt.state.format import (
 )
 
 # Files are written and read in pieces of this size: small enough that hashing piece k overlaps
-# writing/reading piece k+1 in another thread, large enough that syscalls cost nothing (issue 4).
+# writing/reading piece k+1 in another thread, large enough that syscalls cost nothing
+# (Note: [hash while writing], Note: [one read per file]).
 PIECE_BYTES = 16 << 20
 
 Buffer = bytes | memoryview
@@ -83,11 +91,19 @@ def open_storage(location: str | os.PathLike[str]) -> Storage:
     """
     text = os.fspath(location)
     if "://" in text and not text.startswith("file://"):
+        from torchckpt.state.storage_fsspec import FsspecStorage  # here: it imports this module's helpers
+
         return FsspecStorage(text)
     return LocalStorage(text.removeprefix("file://"))
 
 
-def _holder_record() -> dict[str, Any]:
+def holder_record() -> dict[str, Any]:
+    """What a lock file says about its holder: this process's pid, host, start time and command line.
+
+    Example:
+        >>> sorted(holder_record())
+        ['command', 'host', 'pid', 'since_unix_s']
+    """
     return {
         "pid": os.getpid(),
         "host": socket.gethostname(),
@@ -96,7 +112,13 @@ def _holder_record() -> dict[str, Any]:
     }
 
 
-def _describe_holder(raw: bytes) -> str:
+def describe_holder(raw: bytes) -> str:
+    """The holder named by a lock file's bytes (see ``holder_record``), for a "locked by ..." message.
+
+    Example:
+        >>> describe_holder(b"not json")
+        'an unknown process (the lock file is unreadable)'
+    """
     try:
         holder = json.loads(raw.decode("utf-8"))
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since_unix_s"]))
@@ -105,7 +127,13 @@ def _describe_holder(raw: bytes) -> str:
         return "an unknown process (the lock file is unreadable)"
 
 
-def _write_error(path: str, error: OSError, done_bytes: int, total_bytes: int) -> CheckpointWriteError:
+def write_error(path: str, error: OSError, done_bytes: int, total_bytes: int) -> CheckpointWriteError:
+    """The error a failed write raises: the path, bytes written so far, the reason, and the fix.
+
+    Example:
+        >>> print(write_error("run/x", OSError(errno.ENOSPC, "full"), 1, 4))  # doctest: +ELLIPSIS
+        run/x: save failed after writing 1 of 4 bytes: no space left on device ...
+    """
     reason = "no space left on device" if error.errno == errno.ENOSPC else os.strerror(error.errno or 0)
     return CheckpointWriteError(
         f"{path}: save failed after writing {done_bytes} of {total_bytes} bytes: {reason} "
@@ -136,11 +164,24 @@ def split_pieces(chunks: Iterable[Buffer], piece_bytes: int = PIECE_BYTES) -> It
             yield view[start : start + piece_bytes]
 
 
-def _read_pieces(handle: BinaryIO, into: memoryview, on_piece: Callable[[memoryview], None] | None) -> int:
+class Readable(Protocol):
+    """A binary file open for reading: a local file (``open(..., "rb")``) or an fsspec one."""
+
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+def read_pieces(handle: Readable, into: memoryview, on_piece: Callable[[memoryview], None] | None) -> int:
     """Fill ``into`` from ``handle`` piece by piece, calling ``on_piece`` on each piece as it lands.
 
     Without ``on_piece`` (nothing to hash) it asks for the whole rest at once.
     Returns the bytes read, plus one if the file holds more than ``len(into)`` bytes.
+
+    Example:
+        >>> import io
+        >>> into = memoryview(bytearray(3))
+        >>> read_pieces(io.BytesIO(b"abcd"), into, None), bytes(into)
+        (4, b'abc')
     """
     done = 0
     piece_bytes = PIECE_BYTES if on_piece is not None else len(into)
@@ -196,7 +237,7 @@ class LocalStorage:
         Raises FileNotFoundError if it is missing.
         """
         with open(self.path_of(entry, name), "rb", buffering=0) as handle:
-            return _read_pieces(handle, into, on_piece)
+            return read_pieces(handle, into, on_piece)
 
     def file_size(self, entry: str, name: str) -> int | None:
         """Size in bytes of one file, or None if it is missing."""
@@ -211,13 +252,13 @@ class LocalStorage:
             _fsync_dir(os.path.dirname(os.path.abspath(self.location)))  # the new root survives a crash
 
     def begin_step(self, step: int) -> _LocalStepWriter:
-        """Start writing ``step`` into a fresh temp directory (rule 1)."""
+        """Start writing ``step`` into a fresh temp directory ([local commit is a rename])."""
         self._ensure_root()
         temp = f"{TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:12]}"
         return _LocalStepWriter(self, step, temp)
 
     def remove_step(self, step: int) -> None:
-        """Delete a committed step: rename to ``.trash-*``, then delete (rule 4)."""
+        """Delete a committed step: rename to ``.trash-*``, then delete ([delete by renaming to trash])."""
         entry = step_dir_name(step)
         trash = f"{TRASH_PREFIX}{entry}-{uuid.uuid4().hex[:12]}"
         os.rename(self.path_of(entry), self.path_of(trash))
@@ -231,7 +272,8 @@ class LocalStorage:
         return target
 
     def clean_leftovers(self) -> list[str]:
-        """Delete temp and trash directories of interrupted saves; only call with the lock (rule 3)."""
+        """Delete temp and trash directories of interrupted saves; only call with the lock
+        ([only the lock holder cleans])."""
         if not os.path.isdir(self.location):
             return []
         removed = [n for n in os.listdir(self.location) if n.startswith((TMP_PREFIX, TRASH_PREFIX))]
@@ -249,7 +291,7 @@ class LocalStorage:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _describe_holder(os.pread(fd, 4096, 0))
+            holder = describe_holder(os.pread(fd, 4096, 0))
             os.close(fd)
             raise CheckpointLockedError(
                 f"{self.location} is locked by {holder}: another Checkpointer is writing there. "
@@ -257,7 +299,7 @@ class LocalStorage:
                 "that run or use another directory (reading with `torchckpt ls/verify` needs no lock)."
             ) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_holder_record()).encode("utf-8"), 0)
+        os.pwrite(fd, json.dumps(holder_record()).encode("utf-8"), 0)
         self._lock_fd = fd
 
     def release_lock(self) -> None:
@@ -268,7 +310,7 @@ class LocalStorage:
 
 
 class _LocalStepWriter:
-    """Writes one step into its temp directory and commits it by rename (rule 1)."""
+    """Writes one step into its temp directory and commits it by rename ([local commit is a rename])."""
 
     def __init__(self, storage: LocalStorage, step: int, temp_entry: str) -> None:
         self._storage = storage
@@ -320,139 +362,4 @@ class _LocalStepWriter:
             action()
         except OSError as error:
             self.abort()
-            raise _write_error(path, error, progress[0] if progress else 0, total) from error
-
-
-class FsspecStorage:
-    """A checkpoint directory behind an fsspec URL; the manifest is the commit mark (rule 2)."""
-
-    def __init__(self, url: str) -> None:
-        try:
-            import fsspec
-        except ImportError:
-            raise CheckpointWriteError(
-                f"{url}: remote checkpoint paths need fsspec, which is not installed. "
-                "Fix: pip install fsspec (plus s3fs/gcsfs for your store)."
-            ) from None
-        self.location = url
-        self._fs, self._root = fsspec.core.url_to_fs(url)
-        self._holds_lock = False
-
-    def path_of(self, entry: str, name: str | None = None) -> str:
-        """URL of a step entry or a file in it."""
-        inner = f"{self._root}/{entry}" if name is None else f"{self._root}/{entry}/{name}"
-        return self._fs.unstrip_protocol(inner)
-
-    def _inner(self, entry: str, name: str | None = None) -> str:
-        return f"{self._root}/{entry}" if name is None else f"{self._root}/{entry}/{name}"
-
-    def _names(self) -> list[str]:
-        try:
-            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self._fs.ls(self._root, detail=False)]
-        except FileNotFoundError:
-            return []
-
-    def step_entries(self) -> dict[int, str]:
-        """Step directories by step (committed or not; the manifest decides)."""
-        steps = {parse_step_dir_name(name): name for name in self._names()}
-        steps.pop(None, None)
-        return steps  # type: ignore[return-value]
-
-    def read_file(self, entry: str, name: str) -> bytes:
-        """Bytes of one file (raises FileNotFoundError if missing)."""
-        return self._fs.cat_file(self._inner(entry, name))
-
-    def read_into(
-        self, entry: str, name: str, into: memoryview, on_piece: Callable[[memoryview], None] | None
-    ) -> int:
-        """Read one file into ``into``, piece by piece; returns its length (``len(into) + 1`` if longer)."""
-        with self._fs.open(self._inner(entry, name), "rb") as handle:
-            return _read_pieces(handle, into, on_piece)
-
-    def file_size(self, entry: str, name: str) -> int | None:
-        """Size in bytes of one file, or None if it is missing."""
-        try:
-            return int(self._fs.size(self._inner(entry, name)))
-        except FileNotFoundError:
-            return None
-
-    def begin_step(self, step: int) -> _FsspecStepWriter:
-        """Start writing ``step`` in place; an uncommitted leftover is removed first."""
-        entry = step_dir_name(step)
-        if self._fs.exists(self._inner(entry)):
-            self._remove_entry(entry)
-        self._fs.makedirs(self._inner(entry), exist_ok=True)
-        return _FsspecStepWriter(self, entry)
-
-    def _remove_entry(self, entry: str) -> None:
-        manifest = self._inner(entry, MANIFEST_NAME)
-        if self._fs.exists(manifest):
-            self._fs.rm(manifest)  # un-commit first (rule 2)
-        self._fs.rm(self._inner(entry), recursive=True)
-
-    def remove_step(self, step: int) -> None:
-        """Delete a committed step, manifest first (rule 2)."""
-        self._remove_entry(step_dir_name(step))
-
-    def clean_leftovers(self) -> list[str]:
-        """Delete step directories that have no manifest; only call with the lock (rule 3)."""
-        removed = [
-            entry
-            for entry in self.step_entries().values()
-            if not self._fs.exists(self._inner(entry, MANIFEST_NAME))
-        ]
-        for entry in removed:
-            self._fs.rm(self._inner(entry), recursive=True)
-        return removed
-
-    def acquire_lock(self) -> None:
-        """Best-effort lock: a ``.lock`` file naming its holder (object stores lack flock)."""
-        path = self._inner(LOCK_NAME)
-        if self._fs.exists(path):
-            holder = _describe_holder(self._fs.cat_file(path))
-            raise CheckpointLockedError(
-                f"{self.location} is locked by {holder}. Fix: stop that run or use another "
-                f"directory; if that process is dead, delete {self._fs.unstrip_protocol(path)}."
-            )
-        self._fs.makedirs(self._root, exist_ok=True)
-        self._fs.pipe_file(path, json.dumps(_holder_record()).encode("utf-8"))
-        self._holds_lock = True
-
-    def release_lock(self) -> None:
-        """Delete the lock file if this object created it (idempotent)."""
-        if self._holds_lock:
-            self._fs.rm(self._inner(LOCK_NAME))
-            self._holds_lock = False
-
-
-class _FsspecStepWriter:
-    """Writes one step's files in place; the manifest, written last, commits it."""
-
-    def __init__(self, storage: FsspecStorage, entry: str) -> None:
-        self._storage = storage
-        self._entry = entry
-
-    def write(self, name: str, chunks: Iterable[Buffer], total_bytes: int) -> int:
-        """Upload ``chunks`` in order as one file (streamed, not joined); returns the bytes written."""
-        path = self._storage._inner(self._entry, name)
-        done = 0
-        try:
-            with self._storage._fs.open(path, "wb") as handle:
-                for chunk in chunks:
-                    handle.write(chunk)
-                    done += memoryview(chunk).nbytes
-        except OSError as error:
-            self.abort()
-            raise _write_error(self._storage.path_of(self._entry, name), error, done, total_bytes) from error
-        return done
-
-    def commit(self, manifest: bytes) -> None:
-        """Upload the manifest: from now on the step is a checkpoint."""
-        self.write(MANIFEST_NAME, [manifest], len(manifest))
-
-    def abort(self) -> None:
-        """Remove what was uploaded (best effort; start-up cleans what is left)."""
-        try:
-            self._storage._remove_entry(self._entry)
-        except OSError:
-            pass
+            raise write_error(path, error, progress[0] if progress else 0, total) from error

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from torchckpt._units import parse_bytes, parse_percent
+from torchckpt._units import check_positive_int, parse_bytes, parse_percent
 from torchckpt.models import GPT_SIZES
 
 __all__ = ["TrainConfig", "check_budget"]
@@ -59,13 +59,9 @@ class TrainConfig:
         check_budget(self.budget)
         if self.size not in GPT_SIZES:
             raise ValueError(f"--size {self.size!r}: unknown; choose one of {', '.join(GPT_SIZES)}")
-        for option in ("batch_size", "seq_len", "steps", "save_every"):
-            value = getattr(self, option)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{option.replace('_', '-')} must be a positive integer; got {value!r}")
-        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
-                                         or self.threads < 1):
-            raise ValueError(f"--threads must be a positive integer; got {self.threads!r}")
+        counts = ("batch_size", "seq_len", "steps", "save_every") + (() if self.threads is None else ("threads",))
+        for option in counts:
+            check_positive_int(f"--{option.replace('_', '-')}", getattr(self, option))
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive; got {self.lr!r}")
         if not 0.0 <= self.dropout < 1.0:

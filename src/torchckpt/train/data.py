@@ -123,7 +123,8 @@ def make_loader(dataset: ByteChunks, batch_size: int, seed: int):
         from torchdata.stateful_dataloader import StatefulDataLoader
         from torchdata.stateful_dataloader.sampler import RandomSampler
     except ImportError:
-        raise ImportError("torchckpt train needs torchdata for a resumable data loader: pip install torchdata") from None
+        raise ImportError("torchckpt train needs torchdata for a resumable data loader: "
+                          "pip install torchdata") from None
     if len(dataset) < batch_size:
         raise ValueError(f"--batch-size {batch_size} is more than the {len(dataset)} sequences in the training text; "
                          "use a smaller --batch-size or --seq-len")

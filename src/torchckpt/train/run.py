@@ -1,18 +1,21 @@
 """``torchckpt train``: a character-level GPT on the Python standard library, planned under a budget, resumable.
 
-Rules kept here:
+Rules kept here (named in ``docs/design.md``):
 
-1. Planning never changes the training run: it works on the real model but puts parameters, buffers
-   and the torch RNG back (``planning.preserved_state``), so a run that plans and one that reuses a
-   saved plan are bitwise alike, and so is a run with any plan (DESIGN invariant 7).
-2. Everything the next step depends on is in the checkpoint: model, AdamW, LR schedule, data loader
-   position (seeded sampler), RNG streams; the loss log is cut back to the restored step on resume,
-   so it always reads as one uninterrupted run.
-3. A run directory belongs to one run: ``run.json`` records the options that define it; a command
-   with different ones is refused, naming the option (``--steps``, ``--save-every``, ``--budget`` may
-   change: more steps continue the run, a new budget makes a new plan).
-4. Ctrl-C / SIGTERM only set a flag; the step in progress finishes, the state is saved, the process
-   exits with code 0 (``Checkpointer(save_on_preemption=True)``).
+1. **[planning never changes the run]** Planning never changes the training run: it works on the real
+   model but puts parameters, buffers and the torch RNG back (``planning.preserved_state``), so a run
+   that plans and one that reuses a saved plan are bitwise alike, and so is a run with any plan
+   (Note: [planning changes nothing], Note: [checkpointing is exact]).
+2. **[everything the next step needs is saved]** Everything the next step depends on is in the
+   checkpoint: model, AdamW, LR schedule, data loader position (seeded sampler), RNG streams; the loss
+   log is cut back to the restored step on resume, so it always reads as one uninterrupted run.
+3. **[a run directory belongs to one run]** A run directory belongs to one run: ``run.json`` records
+   the options that define it; a command with different ones is refused, naming the option
+   (``--steps``, ``--save-every``, ``--budget`` may change: more steps continue the run, a new budget
+   makes a new plan).
+4. **[preemption saves and exits cleanly]** Ctrl-C / SIGTERM only set a flag; the step in progress
+   finishes, the state is saved, the process exits with code 0
+   (``Checkpointer(save_on_preemption=True)``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def build_model(config: TrainConfig) -> tuple[nn.Module, str]:
         >>> text
         "gpt('tiny'): 2 layers x 64, 0.13M parameters, dropout 0.1"
     """
+    model: nn.Module
     if config.model is None:
         model = gpt(config.size, dropout=config.dropout)
         c = model.config
@@ -88,7 +92,8 @@ def _seed_everything(seed: int) -> None:
 
 
 def _check_identity(run_dir: Path, config: TrainConfig) -> dict[str, Any]:
-    """Rule 3: read (or write) run.json; refuse options that differ from the run in this directory."""
+    """[a run directory belongs to one run]: read (or write) run.json; refuse options that differ from the
+    run in this directory."""
     path = run_dir / "run.json"
     wanted = config.identity()
     if not path.is_file():  # written once planning succeeds (_plan), so a failed start leaves no claim
@@ -111,7 +116,8 @@ def _loss_of(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torc
 
 
 def _measure_plain_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
-    """Peak and time of one uncheckpointed step with AdamW state alive (rule 1: changes nothing)."""
+    """Peak and time of one uncheckpointed step with AdamW state alive
+    ([planning never changes the run])."""
     with preserved_state(model):
         model.train()
         throwaway = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
@@ -127,7 +133,8 @@ def _measure_plain_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
 
 
 class _LossLog:
-    """losses.jsonl: one line per step, the loss as float.hex (bitwise) and as a number (rule 2)."""
+    """losses.jsonl: one line per step, the loss as float.hex (bitwise) and as a number
+    ([everything the next step needs is saved])."""
 
     def __init__(self, path: Path, keep_through_step: int) -> None:
         self.path = path
@@ -322,7 +329,8 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
     items = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "progress": progress}
     step = checkpointer.restore(**items) or 0
     if step:
-        say(f"resumed from {checkpointer.directory}/{step_dir_name(step)} (model, AdamW, LR schedule, data position, RNG)")
+        say(f"resumed from {checkpointer.directory}/{step_dir_name(step)} "
+            "(model, AdamW, LR schedule, data position, RNG)")
         if progress.get("plan_budget_bytes") != plan.budget_bytes:  # a new plan: its peak and times start afresh
             progress.update(peak_bytes=0, timed_steps=0, timed_s=0.0, plan_budget_bytes=plan.budget_bytes)
     if step < config.steps:
@@ -392,7 +400,7 @@ def _train_steps(config: TrainConfig, plan: Plan, step: int, items: dict[str, An
                     display.message(f"saved step {step} to {checkpointer.directory}")
                 if step >= config.steps:
                     break
-    except SystemExit:  # rule 4: the Checkpointer saved and asks to exit
+    except SystemExit:  # [preemption saves and exits cleanly]: the Checkpointer saved and asks to exit
         display.close()
         print(f"stopped at step {step}; run the same command again to resume from there", flush=True)
         raise

@@ -1,4 +1,4 @@
-"""The planner's solver: pure Python + numpy, never imports torch (DESIGN.md, "The planner's model").
+"""The planner's solver: pure Python + numpy, never imports torch (``docs/design.md``, "The planner's model").
 
 ``block_menu`` gives each block's selective-checkpointing options, ``evaluate`` predicts a schedule's
 peak and extra time under the rules of ``torchckpt.planner.costs``, ``solve`` finds the fastest schedule

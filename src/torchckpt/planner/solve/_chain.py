@@ -1,4 +1,5 @@
-"""The cost model flattened for the solver: per-block byte terms of rules 3, 5 and 6 of costs.py.
+"""The cost model flattened for the solver: per-block byte terms of costs.py's
+[what a piece holds], [backward peak] and [forward peak].
 
 Every bound the evaluator checks and the dynamic programs discretise is built here, once, so the
 three cannot disagree. Bytes are relative to the context ``C`` of the chain a piece sits in.
@@ -38,33 +39,35 @@ class Chain:
 
     @property
     def top_context_bytes(self) -> int:
-        """``C`` of the top-level chain (rule 5): fixed bytes and the gradient arriving from the head."""
+        """``C`` of the top-level chain ([backward peak]): fixed bytes and the gradient arriving from the head."""
         return self.costs.fixed_bytes + self.costs.blocks[-1].output_bytes
 
     def gradient_inside(self, stop: int) -> int:
-        """``g`` of rule 6 for pieces inside a region ending before ``stop``: its output's gradient."""
+        """``g`` of [forward peak] for pieces inside a region ending before ``stop``: its output's gradient."""
         return self.costs.blocks[stop - 1].output_bytes if stop < self.n else 0
 
     def _input_held_bytes(self, block: int, option: MenuOption) -> int:
-        """Rule 3: a checkpoint holds what ``region_held_bytes`` says; a plain block its input only if
-        autograd kept it (measured)."""
+        """[what a piece holds]: a checkpoint holds what ``region_held_bytes`` says; a plain block its input
+        only if autograd kept it (measured)."""
         if not option.plain:
             return self.region_held_bytes(block)
         b = self.costs.blocks[block]
         return b.input_bytes if b.input_held_when_plain else 0
 
     def region_held_bytes(self, start: int) -> int:
-        """Rule 3: a checkpoint (of one block, or a region starting there) holds the block's input and the
-        side inputs the plain step frees."""
+        """[what a piece holds]: a checkpoint (of one block, or a region starting there) holds the block's
+        input and the side inputs the plain step frees."""
         b = self.costs.blocks[start]
         return b.input_bytes + b.freed_side_input_bytes
 
     def held_bytes(self, block: int, option: MenuOption) -> int:
-        """Rule 3: a single block holds its input (see ``_input_held_bytes``) plus what its option keeps."""
+        """[what a piece holds]: a single block holds its input (see ``_input_held_bytes``) plus what its
+        option keeps."""
         return self._input_held_bytes(block, option) + option.held_bytes
 
     def single_need_bytes(self, block: int, option: MenuOption, gradient: int) -> int:
-        """Rules 5 and 6 for one block above ``C + H``: the larger of its forward and backward peaks."""
+        """[backward peak] and [forward peak] for one block above ``C + H``: the larger of its forward and
+        backward peaks."""
         b = self.costs.blocks[block]
         forward = b.input_bytes + b.forward_peak_bytes + gradient
         incoming = b.output_bytes if block != self.n - 1 else 0
@@ -74,15 +77,15 @@ class Chain:
         return max(forward, backward)
 
     def region_context_bytes(self, start: int) -> int:
-        """Rule 5: what a region starting at ``start`` adds to its inside's context: the recompute residue,
-        its input when its first block, run plainly, would not count it, and that block's side inputs the
-        plain step frees (the region holds both)."""
+        """[backward peak]: what a region starting at ``start`` adds to its inside's context: the recompute
+        residue, its input when its first block, run plainly, would not count it, and that block's side
+        inputs the plain step frees (the region holds both)."""
         b = self.costs.blocks[start]
         held_input = 0 if b.input_held_when_plain else b.input_bytes
         return self.costs.region_recompute_bytes + held_input + b.freed_side_input_bytes
 
     def region_forward_bytes(self, start: int, stop: int) -> int:
-        """Rule 6 for a region above ``C + H + g``: its blocks run holding only the first input."""
+        """[forward peak] for a region above ``C + H + g``: its blocks run holding only the first input."""
         blocks = self.costs.blocks
         first = blocks[start].input_bytes + blocks[start].forward_peak_bytes
         rest = (blocks[start].input_bytes + blocks[j].input_bytes + blocks[j].forward_peak_bytes

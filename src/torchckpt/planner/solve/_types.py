@@ -7,7 +7,6 @@ field, the value given and what is allowed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 
 def _check_index(owner: str, name: str, value: object) -> None:
@@ -36,7 +35,7 @@ class Single:
     """One block run with one menu option: ``block_menu(costs.blocks[block])[option]``.
 
     Option 0 is plain (no checkpoint); the last option keeps nothing. Inside a ``Region`` only these two
-    are allowed (executor rule 6: a checkpoint nested in a region keeps nothing).
+    are allowed (Note: [nested checkpoints keep nothing]).
 
     Example:
         >>> Single(block=3, option=0)
@@ -81,7 +80,7 @@ class Region:
         object.__setattr__(self, "inner", inner)
 
 
-Piece = Union[Single, Region]
+Piece = Single | Region
 
 
 @dataclass(frozen=True)

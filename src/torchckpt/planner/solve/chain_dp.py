@@ -13,19 +13,21 @@ each the minimum over the first piece: a single block with option o (plain or ke
 regions, any menu option at the top) needing ``need`` and holding ``held``:
 ``time(o) + G(s+1, t, m - held)`` when ``m >= need``; or a region ``[s, v)`` (v < t inside, v <= n at
 the top): ``forward_time(s, v) + G(s, v, m - region context) + rest(v, m - x_s)`` when ``m``
-covers its forward pass. ``F(n, m) = 0`` iff ``m >= head_bytes - y_{n-1}`` (rule 4). Wrapping a whole
-inside in one more region never helps (same peaks, more time), so ``v < t`` inside.
+covers its forward pass. ``F(n, m) = 0`` iff ``m >= head_bytes - y_{n-1}`` (costs.py's
+[forward-end peak]). Wrapping a whole inside in one more region never helps (same peaks, more time), so
+``v < t`` inside.
 
-Discretisation (rules 1-3 of the solver):
+Discretisation (the solver's rules, by name):
 
-1. Every ``need`` and ``held`` is rounded *up* to the grid and the budget *down*, so a schedule the DP
-   accepts is feasible: each check overestimates the true bytes.
-2. The step is the gcd of all byte figures when the budget spans at most ``memory_slots`` of them
-   (then the DP is exact), else the budget over ``memory_slots`` (fewer on chains so long that the
-   tables would pass 2**25 floats). Rounding loses at most one step per
+1. **[rounding only overestimates]** Every ``need`` and ``held`` is rounded *up* to the grid and the
+   budget *down*, so a schedule the DP accepts is feasible: each check overestimates the true bytes.
+2. **[slack is recovered, never trusted]** The step is the gcd of all byte figures when the budget spans
+   at most ``memory_slots`` of them (then the DP is exact), else the budget over ``memory_slots`` (fewer
+   on chains so long that the tables would pass 2**25 floats). Rounding loses at most one step per
    piece, so the grid runs ``n + 1`` steps past the budget; plans found there are re-checked with
    ``evaluate`` and the fastest one that truly fits is kept (slack recovered, never trusted).
-3. Ties go to the first candidate: plain, then options in menu order, then shorter regions.
+3. **[ties go to the first candidate]** Ties go to the first candidate: plain, then options in menu
+   order, then shorter regions.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from torchckpt._units import format_bytes
+from torchckpt._units import check_positive_int, format_bytes
 from torchckpt.planner.costs import ChainCosts
 from torchckpt.planner.solve._chain import Chain
 from torchckpt.planner.solve._types import InfeasibleBudgetError, Piece, Region, Single, Solution
-from torchckpt.planner.solve.evaluate import _evaluate
+from torchckpt.planner.solve.evaluate import evaluate_chain
 from torchckpt.planner.solve.floor import min_peak_schedule
 
 __all__ = ["DEFAULT_MEMORY_SLOTS", "solve", "solve_budgets"]
@@ -139,7 +141,7 @@ def _top_table(grid: _Grid, inside: np.ndarray | None, first: np.ndarray | None)
         best = top[s]
         for k in range(len(chain.menus[s])):
             _relax_single(best, top[s + 1], *grid.single(s, k, 0))
-        if inside is not None and n - s >= 2:
+        if inside is not None and first is not None and n - s >= 2:
             stops = np.arange(s + 2, n + 1)
             need = grid.up_array(grid.region_forward[s, s + 2:n + 1])
             _relax_regions(grid, best, inside[s + 2:n + 1, s], top[s + 2:n + 1], s, stops, need, first[s + 2:n + 1, s])
@@ -159,7 +161,7 @@ def _rebuild(grid: _Grid, table_rest, s: int, t: int, m: int, options: Sequence[
                 return Single(block=s, option=k), s + 1, m - held
     lo, context = grid.region_held[s], grid.region_context[s]
     for v in range(s + 2, regions_to):
-        if m < max(lo, context) or m < grid.up(int(grid.region_forward[s, v]) + gradient):
+        if inside is None or m < max(lo, context) or m < grid.up(int(grid.region_forward[s, v]) + gradient):
             continue
         value = (inside[v, s, m - context] + grid.region_time[s, v]) + table_rest(v)[m - lo]
         if value == target:
@@ -188,6 +190,7 @@ def _top_plan(grid: _Grid, top: np.ndarray, inside: np.ndarray | None, m: int) -
         regions_to = n + 1 if inside is not None else 0
         piece, nxt, m_next = _rebuild(grid, lambda v: top[v], s, n, m, options, 0, inside, regions_to)
         if piece is None:
+            assert inside is not None, "a region was rebuilt without the inside table"
             piece = Region(s, nxt, _inside_plan(grid, inside, s, nxt, m - grid.region_context[s]))
         pieces.append(piece)
         s, m = nxt, m_next
@@ -226,11 +229,11 @@ def _dp_best(chain: Chain, budget_bytes: int, allow_regions: bool,
             return False
         if m not in plans:
             schedule = _top_plan(grid, top, inside, m)
-            plans[m] = (schedule, *_evaluate(chain, schedule)[:2])
+            plans[m] = (schedule, *evaluate_chain(chain, schedule)[:2])
         return plans[m][1] <= budget_bytes
 
-    # Slot `slots` is sound (rule 1); past it, take the largest slot whose plan truly fits, by bisection
-    # (fit is monotone in the slot for all practical purposes; every answer is checked anyway).
+    # Slot `slots` is sound ([rounding only overestimates]); past it, take the largest slot whose plan truly
+    # fits, by bisection (fit is monotone in the slot for all practical purposes; every answer is checked anyway).
     lo, hi = slots, grid.size - 1
     if fits(hi):
         return plans[hi]
@@ -254,7 +257,7 @@ def _check_budget(budget_bytes: object) -> int:
 
 
 def _infeasible(chain: Chain, budget_bytes: int, floor: int, schedule: tuple[Piece, ...]) -> InfeasibleBudgetError:
-    _, _, binding = _evaluate(chain, schedule)
+    _, _, binding = evaluate_chain(chain, schedule)
     costs = chain.costs
     breakdown: dict[str, int | str] = {"fixed_bytes": costs.fixed_bytes, "activation_bytes": floor - costs.fixed_bytes,
                                        "head_bytes": costs.head_bytes, "binding": binding}
@@ -287,12 +290,11 @@ def solve(costs: ChainCosts, budget_bytes: int, *, allow_regions: bool = True,
          Single(block=2, option=0), Single(block=3, option=0))
     """
     budget_bytes = _check_budget(budget_bytes)
-    if not isinstance(memory_slots, int) or isinstance(memory_slots, bool) or memory_slots < 1:
-        raise ValueError(f"memory_slots must be an int >= 1; got {memory_slots!r}")
+    check_positive_int("memory_slots", memory_slots)
     chain = Chain.of(costs)
     allow_regions = bool(allow_regions) and costs.chain
     plain = tuple(Single(block=i, option=0) for i in range(chain.n))
-    peak, extra_s, _ = _evaluate(chain, plain)
+    peak, extra_s, _ = evaluate_chain(chain, plain)
     if peak <= budget_bytes:
         return Solution(schedule=plain, predicted_peak_bytes=peak, extra_time_s=extra_s, budget_bytes=budget_bytes)
     found = _dp_best(chain, budget_bytes, bool(allow_regions), memory_slots)
@@ -300,7 +302,7 @@ def solve(costs: ChainCosts, budget_bytes: int, *, allow_regions: bool = True,
         floor, schedule = min_peak_schedule(chain, allow_regions=bool(allow_regions))
         if budget_bytes < floor:
             raise _infeasible(chain, budget_bytes, floor, schedule)
-        peak, extra_s, _ = _evaluate(chain, schedule)  # the grid lost the slack; the least-peak plan fits
+        peak, extra_s, _ = evaluate_chain(chain, schedule)  # the grid lost the slack; the least-peak plan fits
         found = schedule, peak, extra_s
     schedule, peak, extra_s = found
     assert peak <= budget_bytes, f"solver returned a plan over budget ({peak} > {budget_bytes})"

@@ -1,4 +1,6 @@
-"""The exact evaluator of rules 3-7 of costs.py: a schedule's predicted peak and extra time.
+"""The exact evaluator of costs.py's peak model: a schedule's predicted peak and extra time.
+
+The rules it evaluates run from [what a piece holds] through [predicted peak is the maximum].
 
 Schedules are checked as they are walked; every error names the piece, what was expected and what was
 found. Extra time is summed from the last piece back to the first (a piece's time plus the rest's),
@@ -15,12 +17,12 @@ from torchckpt.planner.costs import ChainCosts
 from torchckpt.planner.solve._chain import Chain
 from torchckpt.planner.solve._types import Piece, Region, Single
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "evaluate_chain"]
 
 
 @dataclass
 class _Peak:
-    """The running maximum of rule 7 and the event that set it."""
+    """The running maximum of [predicted peak is the maximum] and the event that set it."""
 
     bytes: int = -1
     event: str = ""
@@ -47,7 +49,7 @@ def _check_single(chain: Chain, piece: Single, inside: Region | None) -> None:
 
 def _walk(chain: Chain, pieces: Sequence[Piece], start: int, stop: int, context: int, gradient: int,
           inside: Region | None, peak: _Peak) -> tuple[float, int]:
-    """Rules 5-6 over one chain; returns (extra time, bytes held at its end)."""
+    """[backward peak] and [forward peak] over one chain; returns (extra time, bytes held at its end)."""
     where = "the schedule" if inside is None else f"Region({inside.start}, {inside.stop}).inner"
     held, costs_s, nxt = 0, [], start
     for k, piece in enumerate(pieces):
@@ -91,7 +93,16 @@ def _walk(chain: Chain, pieces: Sequence[Piece], start: int, stop: int, context:
     return total_s, held
 
 
-def _evaluate(chain: Chain, schedule: Sequence[Piece]) -> tuple[int, float, str]:
+def evaluate_chain(chain: Chain, schedule: Sequence[Piece]) -> tuple[int, float, str]:
+    """Like ``evaluate`` on a prepared ``Chain``, plus the moment the peak is reached (for messages).
+
+    Example:
+        >>> from torchckpt.planner.costs import BlockCosts
+        >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
+        >>> chain = Chain.of(ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block, block)))
+        >>> evaluate_chain(chain, (Single(0, 0), Single(1, 0)))
+        (134, 0.0, 'the end of the forward pass (the head)')
+    """
     if not isinstance(schedule, (tuple, list)):
         raise TypeError(f"schedule must be a tuple of Single/Region pieces; got {type(schedule).__name__}")
     peak = _Peak()
@@ -102,7 +113,7 @@ def _evaluate(chain: Chain, schedule: Sequence[Piece]) -> tuple[int, float, str]
 
 
 def evaluate(costs: ChainCosts, schedule: Sequence[Piece]) -> tuple[int, float]:
-    """Predicted peak bytes and extra (recompute) seconds of ``schedule`` under rules 3-7 of costs.py.
+    """Predicted peak bytes and extra (recompute) seconds of ``schedule`` under costs.py's peak model.
 
     Example:
         >>> from torchckpt.planner.costs import BlockCosts
@@ -113,5 +124,5 @@ def evaluate(costs: ChainCosts, schedule: Sequence[Piece]) -> tuple[int, float]:
         >>> evaluate(costs, (Region(0, 2, inner=(Single(0, 0), Single(1, 0))),))
         (128, 2.0)
     """
-    peak_bytes, extra_s, _ = _evaluate(Chain.of(costs), schedule)
+    peak_bytes, extra_s, _ = evaluate_chain(Chain.of(costs), schedule)
     return peak_bytes, extra_s

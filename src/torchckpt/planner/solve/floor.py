@@ -1,16 +1,17 @@
 """The floor: the smallest predicted peak any schedule reaches, computed exactly (integer bytes).
 
 A chain's peak above its context is ``max(need of its first piece, held by it + peak of the rest)``
-(rules 5 and 6), monotone in the rest's peak, so the least peak decomposes: with ``P(s, t)`` the least
-peak of blocks ``s..t-1`` as the inside of a region and ``Q(s)`` that of the top-level rest from ``s``
-(whose end adds the forward-end term of rule 4, ``Q(n) = head_bytes - y_{n-1}``),
+(costs.py's [backward peak] and [forward peak]), monotone in the rest's peak, so the least peak
+decomposes: with ``P(s, t)`` the least peak of blocks ``s..t-1`` as the inside of a region and ``Q(s)``
+that of the top-level rest from ``s`` (whose end adds the term of [forward-end peak],
+``Q(n) = head_bytes - y_{n-1}``),
 
     P(s, t) = min over first pieces  max(need, held + P(next, t)),   P(t, t) = 0
     Q(s)    = min over first pieces  max(need, held + Q(next))
 
 where a region piece ``[s, v)`` needs ``max(its forward, region context + P(s, v))`` (the region context is
-``Chain.region_context_bytes(s)``: ``region_recompute_bytes``, plus ``x_s`` when rule 3 needs it and
-block ``s``'s ``freed_side_input_bytes``).
+``Chain.region_context_bytes(s)``: ``region_recompute_bytes``, plus ``x_s`` when [what a piece holds] needs
+it and block ``s``'s ``freed_side_input_bytes``).
 The floor is ``fixed_bytes + y_{n-1} + Q(0)``. O(n^3) with numpy over the split point.
 """
 
@@ -61,11 +62,13 @@ def _top_table(chain: Chain, inside: np.ndarray | None, region_forward: np.ndarr
     choice: list = [None] * (n + 1)
     top[n] = costs.head_bytes - costs.blocks[-1].output_bytes
     for s in range(n - 1, -1, -1):
-        best, pick = None, None
+        best: int | None = None
+        pick: tuple[str, int] | None = None
         for k, option in enumerate(chain.menus[s]):
             value = max(chain.single_need_bytes(s, option, 0), chain.held_bytes(s, option) + top[s + 1])
             if best is None or value < best:
                 best, pick = value, ("single", k)
+        assert best is not None, f"block {s} has no options"
         if inside is not None:
             for v in range(s + 2, n + 1):
                 value = max(int(region_forward[s, v]), chain.region_context_bytes(s) + int(inside[v, s]),
@@ -82,7 +85,7 @@ def _inside_plan(chain: Chain, inside: np.ndarray, region_forward: np.ndarray, s
     gradient = chain.gradient_inside(t)
     while s < t:
         target = int(inside[t, s])
-        picked = None
+        picked: tuple[Piece, int] | None = None
         for k in _inner_options(chain, s):
             option = chain.menus[s][k]
             if max(chain.single_need_bytes(s, option, gradient),
@@ -114,6 +117,7 @@ def min_peak_schedule(chain: Chain, *, allow_regions: bool = True) -> tuple[int,
             pieces.append(Single(block=s, option=value))
             s += 1
         else:
+            assert inside is not None, "a region was chosen without the inside table"
             pieces.append(Region(s, value, _inside_plan(chain, inside, region_forward, s, value)))
             s = value
     return chain.top_context_bytes + top[0], tuple(pieces)

@@ -1,20 +1,23 @@
 """Per-block menus: the Pareto points (held bytes, recompute time) of selective checkpointing.
 
 Checkpointing a block keeping the outputs of a subset ``K`` of the ops autograd saves (``saved=True``)
-holds ``sum(output_bytes of K)`` after the forward pass (beyond the block's input, rule 3 of costs.py)
-and recomputes ``forward_time_s - sum(time_s of K)`` (clamped at 0) in the backward pass. This 0/1
-knapsack is solved exactly by merging Pareto lists op by op (ops of equal cost collapse into few
+holds ``sum(output_bytes of K)`` after the forward pass (beyond the block's input, costs.py's
+[what a piece holds]) and recomputes ``forward_time_s - sum(time_s of K)`` (clamped at 0) in the backward
+pass. This 0/1 knapsack is solved exactly by merging Pareto lists op by op (ops of equal cost collapse into few
 points, so real blocks stay small); a block whose exact frontier would exceed 4096 points has it
 thinned evenly (dropping points is always safe: the menu is only poorer, never wrong).
 
 Menu rules:
 
-1. Option 0 is plain (no checkpoint, ``held_bytes = saved_bytes``, no recompute); the last option keeps
-   nothing (``kept_ops == ()``, recomputes the whole forward). Both are always present.
-2. In between: checkpoint options holding less than ``saved_bytes`` (anything holding as much is
-   dominated by plain), not dominated by another option, by held bytes descending.
-3. At most ``MENU_MAX_OPTIONS`` (16) options: beyond that the in-between points are thinned to 14
-   spanning ``0..saved_bytes`` evenly (for each of 14 evenly spaced byte targets, the point nearest it).
+1. **[plain and keep-nothing are always on the menu]** Option 0 is plain (no checkpoint,
+   ``held_bytes = saved_bytes``, no recompute); the last option keeps nothing (``kept_ops == ()``,
+   recomputes the whole forward). Both are always present.
+2. **[only undominated options]** In between: checkpoint options holding less than ``saved_bytes``
+   (anything holding as much is dominated by plain), not dominated by another option, by held bytes
+   descending.
+3. **[at most 16 options]** At most ``MENU_MAX_OPTIONS`` (16) options: beyond that the in-between points
+   are thinned to 14 spanning ``0..saved_bytes`` evenly (for each of 14 evenly spaced byte targets, the
+   point nearest it).
 """
 
 from __future__ import annotations
