@@ -48,6 +48,25 @@ def check_positive_int(name: str, value: object) -> int:
     return value
 
 
+def check_index(name: str, value: object) -> int:
+    """Return ``value`` if it is an int >= 0 (a position); otherwise raise, naming the field and the value.
+
+    Raises TypeError for anything but an int (bools included) and ValueError for negative ints.
+
+    Example:
+        >>> check_index("Single.block", 2)
+        2
+        >>> check_index("Single.block", -1)
+        Traceback (most recent call last):
+        ValueError: Single.block must be an int >= 0; got -1
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 0; got {value!r} of type {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be an int >= 0; got {value!r}")
+    return value
+
+
 def parse_bytes(size: int | str, *, option: str = "size") -> int:
     """Parse a byte count such as ``6GiB``, ``800MB``, ``1.5 GB`` or ``1024``.
 

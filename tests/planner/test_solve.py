@@ -89,7 +89,7 @@ def test_checkpoint_options_inside_a_region_are_refused() -> None:
 
 
 @pytest.mark.parametrize("make, error, message", [
-    (lambda: Single(block=-1, option=0), TypeError, "Single.block must be an int >= 0"),
+    (lambda: Single(block=-1, option=0), ValueError, "Single.block must be an int >= 0"),
     (lambda: Single(block=0, option=True), TypeError, "Single.option"),
     (lambda: Region(2, 3, (Single(2, 0),)), ValueError, "at least 2 blocks"),
     (lambda: Region(0, 2, ()), TypeError, "non-empty tuple"),

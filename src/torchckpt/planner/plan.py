@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from torchckpt._units import format_bytes
+from torchckpt._units import check_index, format_bytes
 from torchckpt.planner.blocks import structure_key
 
 __all__ = ["Plan", "PlanMismatchError", "PlanPiece", "PlannedBlock", "PlannedRegion", "fingerprint",
@@ -36,11 +36,6 @@ FORMAT_VERSION = 1
 
 class PlanMismatchError(ValueError):
     """A plan was applied to, or loaded for, a model or input it was not made for."""
-
-
-def _check_index(owner: str, name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{owner}.{name} must be an int >= 0; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -60,12 +55,12 @@ class PlannedBlock:
     keep: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_index("PlannedBlock", "block", self.block)
+        check_index("PlannedBlock.block", self.block)
         if not isinstance(self.plain, bool):
             raise ValueError(f"PlannedBlock.plain must be a bool; got {self.plain!r}")
         keep = tuple(self.keep)
         for index in keep:
-            _check_index("PlannedBlock", "keep[]", index)
+            check_index("PlannedBlock.keep[]", index)
         if self.plain and keep:
             raise ValueError(f"PlannedBlock(block={self.block}) is plain (nothing recomputed) and cannot also list "
                              f"ops to keep ({list(keep)}); give plain=False to checkpoint it keeping those ops")
@@ -92,8 +87,8 @@ class PlannedRegion:
     inner: tuple[PlanPiece, ...]
 
     def __post_init__(self) -> None:
-        _check_index("PlannedRegion", "start", self.start)
-        _check_index("PlannedRegion", "stop", self.stop)
+        check_index("PlannedRegion.start", self.start)
+        check_index("PlannedRegion.stop", self.stop)
         inner = tuple(self.inner)
         if self.stop - self.start < 2 or not inner:
             raise ValueError(f"PlannedRegion(start={self.start}, stop={self.stop}) must span at least 2 blocks "

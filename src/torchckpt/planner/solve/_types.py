@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-def _check_index(owner: str, name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise TypeError(f"{owner}.{name} must be an int >= 0; got {value!r}")
+from torchckpt._units import check_index
 
 
 @dataclass(frozen=True)
@@ -46,8 +43,8 @@ class Single:
     option: int
 
     def __post_init__(self) -> None:
-        _check_index("Single", "block", self.block)
-        _check_index("Single", "option", self.option)
+        check_index("Single.block", self.block)
+        check_index("Single.option", self.option)
 
 
 @dataclass(frozen=True)
@@ -67,8 +64,8 @@ class Region:
     inner: tuple[Piece, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        _check_index("Region", "start", self.start)
-        _check_index("Region", "stop", self.stop)
+        check_index("Region.start", self.start)
+        check_index("Region.stop", self.stop)
         if self.stop - self.start < 2:
             raise ValueError(f"Region(start={self.start}, stop={self.stop}) spans {self.stop - self.start} block(s); "
                              f"a region spans at least 2 blocks (stop is exclusive); use Single(block, option=last) "
