@@ -7,13 +7,16 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
-__all__ = ["RngSnapshot", "host_bytes", "preserved_rng"]
+__all__ = ["RngSnapshot", "host_bytes", "preserved_rng", "preserved_state"]
 
 
 def host_bytes(tensor: torch.Tensor) -> np.ndarray:
@@ -74,3 +77,73 @@ def preserved_rng() -> Iterator[RngSnapshot]:
         yield snapshot
     finally:
         snapshot.restore()
+
+
+_HostTensor = tuple[np.ndarray, torch.dtype, torch.Size, torch.device]
+
+
+def _to_host(tensor: torch.Tensor) -> _HostTensor:
+    return host_bytes(tensor), tensor.dtype, tensor.shape, tensor.device
+
+
+def _from_host(saved: _HostTensor) -> torch.Tensor:
+    data, dtype, shape, device = saved
+    return torch.from_numpy(data.copy()).view(dtype).view(shape).to(device)
+
+
+def _optimizer_snapshot(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """Per parameter (by id), its optimizer state with tensors as host bytes and the rest deep-copied."""
+    return {id(param): {key: _to_host(value) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+                        for key, value in state.items()}
+            for param, state in optimizer.state.items()}
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[int, dict[str, Any]]) -> None:
+    params = {id(param): param for group in optimizer.param_groups for param in group["params"]}
+    optimizer.state.clear()
+    for key, state in saved.items():
+        optimizer.state[params[key]] = {name: _from_host(value) if isinstance(value, tuple) and len(value) == 4
+                                        and isinstance(value[0], np.ndarray) else value
+                                        for name, value in state.items()}
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+    """Put back, when the block exits however it exits, everything a measured training step changes:
+    the model's parameters, buffers, gradients and train/eval modes, the optimizer's state (``optimizer``,
+    if given; its parameter groups are left as they are) and the torch RNG streams (CPU and every
+    initialised CUDA device). Values are written back into the same tensors, so parameter identity holds.
+
+    The copies are NumPy memory, so a ``MemoryMeter`` running inside the block does not count them.
+
+    Example:
+        >>> layer = nn.Linear(2, 2)
+        >>> optimizer = torch.optim.AdamW(layer.parameters())
+        >>> before = layer.weight.detach().clone()
+        >>> with preserved_state(layer, optimizer):
+        ...     layer(torch.ones(1, 2)).sum().backward()
+        ...     optimizer.step()
+        >>> torch.equal(layer.weight, before), layer.weight.grad is None, len(optimizer.state)
+        (True, True, 0)
+    """
+    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    saved = {name: _to_host(tensor) for name, tensor in tensors.items()}
+    grads = {name: None if param.grad is None else _to_host(param.grad) for name, param in model.named_parameters()}
+    modes = {name: module.training for name, module in model.named_modules()}
+    optimizer_state = _optimizer_snapshot(optimizer) if optimizer is not None else None
+    rng = RngSnapshot.capture()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, tensor in tensors.items():
+                tensor.copy_(_from_host(saved[name]))
+        for name, param in model.named_parameters():
+            grad = grads.get(name)
+            param.grad = None if grad is None else _from_host(grad)
+        for name, module in model.named_modules():
+            module.training = modes.get(name, module.training)
+        if optimizer is not None and optimizer_state is not None:
+            _restore_optimizer(optimizer, optimizer_state)
+        rng.restore()

@@ -33,6 +33,15 @@ Design rules (named so code and tests can point at them; collected in docs/desig
 7. **[kept outputs are handed over once]** A kept output is handed over once: recomputation takes it
    out of the cache, so autograd frees it as the backward pass goes, exactly like a tensor it saved
    itself. A second backward through the same graph (``retain_graph=True``) recomputes it instead.
+8. **[recomputation leaves buffers alone]** Recomputation writes nothing that outlives it: a tensor that
+   existed before recomputation began (a BatchNorm's ``running_mean``, ``running_var`` and
+   ``num_batches_tracked``, a counter buffer, anything the function writes in place but did not create)
+   and is written in place during it is copied when it is first written and put back when recomputation
+   ends (``outer_writes.py``: ``WriteLog``, ``UndoOuterWrites``). So buffers end exactly as after the
+   forward pass (updated once, as without checkpointing), while the recomputed activations are bitwise
+   the forward's: a BatchNorm in training mode normalises with the batch's statistics in both, and only
+   its bookkeeping writes are undone. Only what recomputation writes is copied (BatchNorm statistics are
+   small), and only while it runs.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from torchckpt.executor.outer_writes import WriteLog
 from torchckpt.executor.policies import (
     TAG_STATE,
     OpInfo,
@@ -220,10 +230,16 @@ class _RecomputeMode(_RegionMode):
     def __init__(self, region: CheckpointRecord) -> None:
         super().__init__(region)
         self.position = 0
+        self.writes = WriteLog()
 
     def __enter__(self) -> _RecomputeMode:
         self.position = 0
         return super().__enter__()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        super().__exit__(exc_type, exc, tb)
+        self.writes.restore()  # Note: [recomputation leaves buffers alone]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -246,9 +262,13 @@ class _RecomputeMode(_RegionMode):
                 f"that depends on global state or randomness outside torch's RNG. Fix: make the function depend "
                 f"only on its inputs. {_DEBUG_TIP}")
         out = region.serve(index) if index in region.cache else None
+        served = out is not None
         if out is None:
+            self.writes.before(func, args, kwargs)
             out = func(*args, **kwargs)
-        self._check(index, record, tree_flatten(out)[0])
+        flat = tree_flatten(out)[0]
+        self.writes.note_outputs(func, flat, served)
+        self._check(index, record, flat)
         return out
 
     def _check(self, index: int, record: _OpRecord, flat: list[Any]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 from torch import nn
 
 from torchckpt.executor.checkpoint import checkpoint
+from torchckpt.executor.kv_cache import disable_kv_cache, restore_kv_cache
 from torchckpt.executor.policies import PolicyLike, resolve_policy
 
 __all__ = ["CheckpointHandle", "checkpoint_modules", "wrap_forward"]
@@ -29,8 +30,9 @@ _MARK = "_torchckpt_wrapped"
 class CheckpointHandle:
     """Undo handle returned by :func:`checkpoint_modules`; ``remove()`` restores the original forwards."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    def __init__(self, modules: list[nn.Module], cache_configs: list[Any] | None = None) -> None:
         self._modules = modules
+        self._cache_configs = list(cache_configs or ())
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -38,7 +40,7 @@ class CheckpointHandle:
         return list(self._modules)
 
     def remove(self) -> None:
-        """Restore every wrapped module's own ``forward``.
+        """Restore every wrapped module's own ``forward`` and the ``use_cache`` it turned off.
 
         Example:
             >>> layer = nn.Linear(2, 2)
@@ -52,6 +54,8 @@ class CheckpointHandle:
                 del module.forward
                 delattr(module, _MARK)
         self._modules = []
+        restore_kv_cache(self._cache_configs)
+        self._cache_configs = []
 
     def __enter__(self) -> CheckpointHandle:
         return self
@@ -87,6 +91,9 @@ def checkpoint_modules(modules: Iterable[nn.Module], policy: PolicyLike = None,
                        preserve_rng_state: bool = True) -> CheckpointHandle:
     """Checkpoint every call of each module with ``policy``; returns a handle to undo it.
 
+    A Hugging Face config with ``use_cache=True`` held by the modules is set to False until ``remove()``,
+    with a one-line notice (a KV cache written in the forward pass would make recomputation differ).
+
     Example:
         >>> from torchckpt.models import gpt
         >>> model = gpt("tiny")
@@ -95,6 +102,7 @@ def checkpoint_modules(modules: Iterable[nn.Module], policy: PolicyLike = None,
         ...     loss.backward()
     """
     resolved = resolve_policy(policy)
+    modules = list(modules)
     wrapped: list[nn.Module] = []
     for module in modules:
         if not isinstance(module, nn.Module):
@@ -102,4 +110,6 @@ def checkpoint_modules(modules: Iterable[nn.Module], policy: PolicyLike = None,
             raise TypeError(f"checkpoint_modules: expected nn.Module items; got {type(module).__name__}")
         wrap_forward(module, functools.partial(checkpoint, module.forward, policy=resolved,
                                                preserve_rng_state=preserve_rng_state), wrapped)
-    return CheckpointHandle(wrapped)
+    # Note: [KV cache off while checkpointing]
+    return CheckpointHandle(wrapped, disable_kv_cache(modules, while_="checkpoint_modules is applied",
+                                                      undo="handle.remove()"))

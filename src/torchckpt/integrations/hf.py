@@ -21,7 +21,6 @@ Rules kept here (named in ``docs/design.md``):
 
 from __future__ import annotations
 
-import logging
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -31,11 +30,11 @@ import torch
 from torch import nn
 
 from torchckpt.executor import CheckpointHandle
+from torchckpt.executor.kv_cache import disable_kv_cache, restore_kv_cache
 from torchckpt.planner import Plan, apply_plan, plan_without_side_effects
 
 __all__ = ["HFHandle", "disable", "enable", "is_enabled"]
 
-_log = logging.getLogger("torchckpt.integrations.hf")
 _ENABLED: weakref.WeakKeyDictionary[nn.Module, HFHandle] = weakref.WeakKeyDictionary()  # [disable undoes exactly]
 
 
@@ -70,17 +69,6 @@ def _hf_checkpointing_on(model: nn.Module) -> bool:
     name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
         "is_gradient_checkpointing"
     return bool(getattr(model, name, False))
-
-
-def _configs_with_cache(model: nn.Module) -> list[Any]:
-    """Every distinct config with ``use_cache=True`` held by the model or a submodule: encoder-decoder models
-    give their decoder stack its own copy of the config (T5), which decides whether the decoder caches."""
-    found: dict[int, Any] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and getattr(config, "use_cache", None) is True:
-            found.setdefault(id(config), config)
-    return list(found.values())
 
 
 def _inputs(example_inputs: Any) -> tuple | dict:
@@ -129,19 +117,12 @@ def enable(model: nn.Module, *, budget: int | str, example_inputs: Any, optimize
                          "Fix: call model.gradient_checkpointing_disable() (activation_checkpointing_disable() in "
                          "newer transformers) and do not pass gradient_checkpointing=True to TrainingArguments")
     inputs = _inputs(example_inputs)
-    caching = _configs_with_cache(model)
-    if caching:
-        for sub_config in caching:
-            sub_config.use_cache = False
-        _log.warning("torchckpt: set %s.config.use_cache=False while activation checkpointing is enabled (a KV "
-                     "cache written in the forward pass would make recomputation differ; HF's gradient "
-                     "checkpointing does the same); hf.disable(model) sets it back", type(model).__name__)
+    caching = disable_kv_cache([model], while_="activation checkpointing is enabled", undo="hf.disable(model)")
     try:
         plan = plan_without_side_effects(model, inputs, budget, optimizer=optimizer, loss_fn=loss_fn)
         checkpoints = apply_plan(model, plan)
     except BaseException:
-        for sub_config in caching:
-            sub_config.use_cache = True
+        restore_kv_cache(caching)
         raise
     handle = HFHandle(plan=plan, checkpoints=checkpoints,
                       caching_configs=caching, model_ref=weakref.ref(model))
@@ -159,6 +140,5 @@ def disable(model: nn.Module) -> None:
     if handle is None:
         return
     handle.checkpoints.remove()
-    for sub_config in handle.caching_configs:
-        sub_config.use_cache = True
+    restore_kv_cache(handle.caching_configs)
 

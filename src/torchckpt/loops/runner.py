@@ -30,6 +30,9 @@ How it works (the rules the code keeps, by name):
 5. **[recomputed steps are checked]** Each recomputed step must save the same number of tensors with
    the same shapes as in the forward pass, and stored carries must not be modified in place; both are
    checked and raise otherwise.
+   Recomputation runs under ``UndoOuterWrites``, so buffers the steps write in place (BatchNorm
+   statistics of a module ``step_fn`` calls) end as after the forward pass, updated once per step
+   (Note: [recomputation leaves buffers alone], in ``executor/checkpoint.py``).
 6. **[loop stats are passed in]** No global state: counts and the actions run are written to a
    ``LoopStats`` the caller passes in.
 """
@@ -45,6 +48,7 @@ import torch
 from torchckpt._host import RngSnapshot
 from torchckpt._units import check_positive_int, parse_bytes
 from torchckpt.executor.checkpoint import RecomputationMismatchError, RematError
+from torchckpt.executor.outer_writes import UndoOuterWrites
 from torchckpt.loops.carry import AutocastState, Carry, CarryLayout, CarrySnapshot
 from torchckpt.loops.revolve import Action, RevolveScheduler
 
@@ -249,6 +253,7 @@ class _LoopRunner:
         try:
             with contextlib.ExitStack() as stack:
                 self.autocast.enter(stack)
+                stack.enter_context(UndoOuterWrites())  # [recomputation leaves buffers alone]
                 self.execute(self.planner.request(step), forward=False)
         finally:
             if caller_rng is not None:

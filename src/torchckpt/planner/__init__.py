@@ -5,11 +5,12 @@ Public seam: ``plan`` / ``frontier`` (profile -> solve -> Plan), ``Plan`` and it
 ``costs`` (the cost model), ``solve`` (pure numpy: never imports torch) and ``blocks`` are its parts.
 """
 
+from torchckpt._host import preserved_state
 from torchckpt.planner.apply import apply_plan
 from torchckpt.planner.blocks import block_paths, find_blocks, resolve_blocks
 from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
 from torchckpt.planner.frontier import Frontier, FrontierPoint, frontier, frontier_from_costs
-from torchckpt.planner.isolation import plan_without_side_effects, preserved_state
+from torchckpt.planner.isolation import plan_without_side_effects
 from torchckpt.planner.make_plan import no_checkpointing_schedule, plan, plan_from_costs, resolve_budget
 from torchckpt.planner.plan import Plan, PlanMismatchError, PlannedBlock, PlannedRegion, PlanPiece, fingerprint
 from torchckpt.planner.profile import profile

@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from torchckpt.executor import CheckpointHandle, checkpoint, save_ops, wrap_forward
+from torchckpt.executor.kv_cache import disable_kv_cache
 from torchckpt.planner.plan import Plan, PlannedRegion, PlanPiece
 
 __all__ = ["apply_plan", "wrap_region"]
@@ -50,7 +51,9 @@ def apply_plan(model: nn.Module, plan: Plan) -> CheckpointHandle:
             block = blocks[piece.block]
             policy = save_ops(piece.keep, name=f"plan:{plan.block_paths[piece.block]}")
             wrap_forward(block, functools.partial(checkpoint, block.forward, policy=policy), wrapped)
-    return CheckpointHandle(wrapped)
+    # Note: [KV cache off while checkpointing]
+    cache_configs = disable_kv_cache([model], while_="a plan is applied", undo="handle.remove()") if wrapped else []
+    return CheckpointHandle(wrapped, cache_configs)
 
 
 def _hidden(output: Any) -> Any:

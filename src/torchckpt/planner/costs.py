@@ -13,7 +13,8 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
    A model whose code between blocks is not a plain chain (U-Net skips, an encoder output read by
    every decoder block) has ``chain=False``: then ``x_i`` is what block ``i`` holds when checkpointed
    (its input plus what the code after it keeps, measured at block boundaries), ``y_i`` need not equal
-   ``x_{i+1}``, and plans have single blocks only (no regions).
+   ``x_{i+1}``, and plans have single blocks only (no regions). So does a model whose regions the
+   profiler cannot prove exact (``profile``'s [a region must be exact]; ``notes["chain"]`` says why).
 2. **[a plan is a sequence of pieces]** A plan is a sequence of pieces covering the chain in order. A
    piece is a single block with a menu option, or a region of consecutive blocks checkpointed as a whole
    whose inside is again a plan.

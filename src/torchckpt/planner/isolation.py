@@ -9,49 +9,18 @@ measured peaks (``MemoryMeter`` counts tensors).
 
 from __future__ import annotations
 
-import contextlib
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchckpt._host import RngSnapshot, host_bytes
+from torchckpt._host import preserved_state
 from torchckpt.planner.make_plan import plan
 from torchckpt.planner.plan import Plan
 
 __all__ = ["plan_without_side_effects", "preserved_state"]
-
-
-@contextlib.contextmanager
-def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Put back the model's parameters, buffers, mode and the torch RNG states (CPU and every initialised
-    CUDA device) when the block exits.
-
-    Example:
-        >>> layer = nn.Linear(2, 2)
-        >>> before = layer.weight.detach().clone()
-        >>> with preserved_state(layer), torch.no_grad():
-        ...     _ = layer.weight.add_(1.0)
-        >>> torch.equal(layer.weight, before)
-        True
-    """
-    tensors: dict[str, torch.Tensor] = dict(model.named_parameters())
-    tensors.update(dict(model.named_buffers()))
-    saved = {name: (host_bytes(t), t.dtype, t.shape) for name, t in tensors.items()}
-    modes = {name: module.training for name, module in model.named_modules()}
-    rng = RngSnapshot.capture()
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for name, tensor in tensors.items():
-                data, dtype, shape = saved[name]
-                tensor.copy_(torch.from_numpy(data).view(dtype).view(shape))
-        for name, module in model.named_modules():
-            module.training = modes.get(name, module.training)
-        rng.restore()
 
 
 def plan_without_side_effects(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,

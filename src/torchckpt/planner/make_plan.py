@@ -20,7 +20,7 @@ from torchckpt.planner.costs import ChainCosts
 from torchckpt.planner.plan import Plan, PlannedBlock, PlannedRegion, PlanPiece, fingerprint
 from torchckpt.planner.profile import profile
 
-__all__ = ["no_checkpointing_schedule", "plan", "plan_from_costs", "plan_pieces", "resolve_budget"]
+__all__ = ["no_checkpointing_schedule", "plan", "plan_from_costs", "plan_pieces", "regions_note", "resolve_budget"]
 
 
 def no_checkpointing_schedule(costs: ChainCosts) -> tuple:
@@ -71,9 +71,31 @@ def plan_pieces(schedule: Sequence[solver.Piece],
     return tuple(out)
 
 
+def regions_note(costs: ChainCosts, regions: bool = True) -> str | None:
+    """Why plans from ``costs`` have no regions (``regions=False``, or the profiler could not prove a region
+    exact), or None when they may have them.
+
+    Example:
+        >>> from torchckpt.planner.costs import BlockCosts
+        >>> block = BlockCosts(name="b", input_bytes=1, output_bytes=1, saved_bytes=1, forward_time_s=0.1)
+        >>> regions_note(ChainCosts(fixed_bytes=0, head_bytes=0, blocks=(block, block)), regions=False)
+        'off (regions=False)'
+    """
+    if not regions:
+        return "off (regions=False)"
+    if "regions" in costs.notes:
+        return costs.notes["regions"]
+    if not costs.chain:
+        return costs.notes.get("chain") or "no: the blocks are not called as a chain; single blocks only"
+    return None
+
+
 def plan_from_costs(costs: ChainCosts, budget: int | str, *, block_paths: Sequence[str],
-                    model_fingerprint: dict[str, Any]) -> Plan:
+                    model_fingerprint: dict[str, Any], regions: bool = True) -> Plan:
     """Solve an already measured cost model for ``budget`` (used by plan() and frontier sweeps).
+
+    ``regions=False`` plans single blocks only (no regions), as do costs whose ``chain`` is False or
+    that were profiled with ``regions=False``; the plan's ``notes["regions"]`` then says why.
 
     Example:
         >>> from torchckpt.planner.costs import BlockCosts
@@ -83,23 +105,30 @@ def plan_from_costs(costs: ChainCosts, budget: int | str, *, block_paths: Sequen
         0.0
     """
     budget_bytes = resolve_budget(budget, costs)
-    solution = solver.solve(costs, budget_bytes)
+    no_regions = regions_note(costs, regions)
+    solution = solver.solve(costs, budget_bytes, allow_regions=no_regions is None)
     menus = [solver.block_menu(block) for block in costs.blocks]
     plain_peak, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
     return Plan(budget_bytes=budget_bytes, predicted_peak_bytes=int(solution.predicted_peak_bytes),
                 predicted_extra_time_s=float(solution.extra_time_s),
                 schedule=plan_pieces(solution.schedule, menus), block_paths=tuple(block_paths),
                 fingerprint=model_fingerprint,
-                reference={"no_checkpointing_peak_bytes": float(plain_peak), "step_time_s": costs.step_time_s})
+                reference={"no_checkpointing_peak_bytes": float(plain_peak), "step_time_s": costs.step_time_s},
+                notes={} if no_regions is None or len(costs.blocks) < 2 else {"regions": no_regions})
 
 
 def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, optimizer: torch.optim.Optimizer | None = None,
-         blocks: str | Sequence[nn.Module] = "auto") -> Plan:
+         blocks: str | Sequence[nn.Module] = "auto", regions: bool = True) -> Plan:
     """Measure ``model`` and return the plan with the least predicted recompute time within ``budget``.
 
+    ``regions=False`` plans single blocks only (no blocks checkpointed together as a region); plans have
+    no regions either when the profiler cannot prove that a region computes exactly what the model does
+    (``Plan.notes["regions"]`` says why).
+
     Raises ``InfeasibleBudgetError`` (a ValueError) naming the smallest feasible peak and its parts when
-    the budget is below the floor.
+    the budget is below the floor; a malformed budget is refused before anything is measured. The model,
+    ``optimizer`` and RNG streams are left exactly as they were (Note: [planning changes nothing]).
 
     Example:
         >>> import torchckpt
@@ -109,9 +138,11 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
         >>> torchckpt.plan(model, batch, budget="100%").predicted_extra_time_s
         0.0
     """
+    if parse_percent(budget, option="budget") is None:  # a bad budget fails before minutes of profiling
+        parse_bytes(budget, option="budget")
     block_list = resolve_blocks(model, blocks)
     paths = block_paths(model, block_list)
-    costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=block_list)
+    costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=block_list, regions=regions)
     return plan_from_costs(costs, budget, block_paths=paths,
-                           model_fingerprint=fingerprint(model, example_inputs, paths))
+                           model_fingerprint=fingerprint(model, example_inputs, paths), regions=regions)
 

@@ -162,6 +162,8 @@ class Plan:
         block_paths: module path of each block, in forward order.
         fingerprint: see :func:`fingerprint`.
         reference: named reference figures (e.g. ``no_checkpointing_peak_bytes``, ``step_time_s``).
+        notes: named remarks on how the plan was made, shown by :meth:`table` (e.g. ``regions``: why the
+            plan has no regions).
     """
 
     budget_bytes: int
@@ -171,6 +173,7 @@ class Plan:
     block_paths: tuple[str, ...]
     fingerprint: dict[str, Any]
     reference: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         schedule = tuple(self.schedule)
@@ -215,6 +218,7 @@ class Plan:
         if reference:
             lines.append(f"no checkpointing would peak at {format_bytes(reference)} "
                          f"({self.predicted_peak_bytes / reference:.0%} of it)")
+        lines.extend(f"{name}: {text}" for name, text in sorted(self.notes.items()))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -238,7 +242,7 @@ class Plan:
                    "predicted_extra_time_s": self.predicted_extra_time_s,
                    "schedule": [_piece_to_json(piece) for piece in self.schedule],
                    "block_paths": list(self.block_paths), "fingerprint": self.fingerprint,
-                   "reference": self.reference}
+                   "reference": self.reference, "notes": self.notes}
         return json.dumps(payload, indent=1)
 
     @classmethod
@@ -258,7 +262,7 @@ class Plan:
                        predicted_extra_time_s=payload["predicted_extra_time_s"],
                        schedule=tuple(_piece_from_json(entry) for entry in payload["schedule"]),
                        block_paths=tuple(payload["block_paths"]), fingerprint=payload["fingerprint"],
-                       reference=payload.get("reference", {}))
+                       reference=payload.get("reference", {}), notes=payload.get("notes", {}))
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"not a complete torchckpt plan: missing or malformed field {error}; re-create the "
                              "plan with torchckpt.plan(...)") from None

@@ -36,32 +36,41 @@ How each figure of ``costs.py`` is obtained (the names of that module's rules in
    structurally equal blocks with equal input shapes. The step time is the checkpointed step's less its
    blocks' forwards (an estimate: no extra plain step runs, which keeps profiling within five training
    steps).
+5. **[a region must be exact]** A region (``apply.wrap_region``) runs its blocks from its first block's
+   arguments, passing each the previous one's hidden state (the output, or its first item when a tuple),
+   and its other blocks return the region's output: its hidden state, and the other items of the last
+   block's output. So ``chain`` (regions allowed) holds only if, in the plain step, every block but the
+   first gets the previous block's hidden state as its first positional argument and the same other
+   arguments (tensors the same objects, other values equal), every block returns a tensor or a tuple
+   starting with one whose other items have the same structure as the previous block's, and no forward
+   op (the recorder watches every op of the step) reads a block's output, except the last block's,
+   anywhere but the next block: neither its hidden state elsewhere nor its other tensors anywhere. A
+   U-Net encoder whose blocks return ``(h, skip)`` fails the last test. Otherwise ``chain`` is False:
+   plans have single blocks only, ``notes["chain"]`` and the plan's ``notes["regions"]`` say why, and
+   the reason is logged (``logging``, "torchckpt", INFO).
 """
 
 from __future__ import annotations
 
-import functools
-import statistics
+import logging
 import time
-import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from torchckpt._host import preserved_state
 from torchckpt.executor import CheckpointHandle, checkpoint_modules
-from torchckpt.executor.checkpoint import can_keep
-from torchckpt.executor.policies import TAG_STATE, op_name
+from torchckpt.executor.kv_cache import kv_cache_off
 from torchckpt.memory import MemoryMeter
 from torchckpt.planner import solve as solver
 from torchckpt.planner.apply import wrap_region
-from torchckpt.planner.blocks import resolve_blocks, structure_key
+from torchckpt.planner.blocks import resolve_blocks
 from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
 from torchckpt.planner.plan import PlannedBlock, PlannedRegion
+from torchckpt.planner.probe import Probe, block_times, measure_step
 from torchckpt.planner.runner import StepRunner
 
 __all__ = ["profile", "HEADROOM_BYTES", "HEADROOM_FRACTION"]
@@ -73,239 +82,7 @@ tensors that live in one step and not another move a measured peak by a few hund
 selective plans on HF Llama measured up to 64 KiB above their prediction (2 hidden states of that
 test model); plans keep this room so that a plan at its budget still measures within it."""
 
-_DETACH = torch.ops.aten.detach.default
-_TAG = torch.ops.aten.alias.default  # what ``tag`` dispatches (policies.py)
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    for leaf in tree_flatten(value)[0]:
-        if isinstance(leaf, torch.Tensor):
-            return leaf
-    return None
-
-
-def _nbytes(tensor: torch.Tensor | None) -> int:
-    return 0 if tensor is None else tensor.untyped_storage().nbytes()
-
-
-def _side_inputs(inputs: Any, first: torch.Tensor | None) -> list[tuple[weakref.ref, int]]:
-    """Weak references to the storages of a block's tensor inputs other than ``first``'s, each once: what
-    a checkpoint of the block keeps alive besides its first input."""
-    # The list holds every storage object while ids are compared, so no id can be reused meanwhile.
-    storages = [leaf.untyped_storage() for leaf in tree_flatten(inputs)[0] if isinstance(leaf, torch.Tensor)]
-    seen = set() if first is None else {id(first.untyped_storage())}
-    found = []
-    for storage in storages:
-        if id(storage) not in seen:
-            seen.add(id(storage))
-            found.append((weakref.ref(storage), storage.nbytes()))
-    return found
-
-
-@dataclass
-class _BlockTrace:
-    input_bytes: int = 0
-    output_bytes: int = 0
-    before_forward: int = 0
-    after_forward: int = 0
-    forward_peak: int = 0
-    forward_s: float = 0.0
-    backward_peak: int | None = None
-    calls: int = 0
-    input_id: int = 0
-    input_shape: tuple = ()
-    order: int = -1
-    output_id: int = 0
-    ops: list[dict] = field(default_factory=list)
-    input_storage: weakref.ref | None = None  # weak: the probe must not keep the input alive itself
-    input_alive_at_backward: bool = True
-    side_inputs: list[tuple[weakref.ref, int]] = field(default_factory=list)  # (storage, bytes), weak as above
-    freed_side_input_bytes: int = 0
-
-
-class _Recorder(TorchDispatchMode):
-    """Records the ops of the block currently running forward, numbered as the executor numbers them.
-
-    Storages are identified by their Python object (alive as long as the storage), never by address:
-    the allocator reuses the address of a freed storage at once.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.block: _BlockTrace | None = None
-        self._created: dict[int, tuple[_BlockTrace, int]] = {}  # id(storage) -> (block, op index)
-        self._refs: dict[int, weakref.ref] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        block = self.block
-        if block is None or func is _DETACH:
-            return func(*args, **kwargs)
-        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        tag_name = TAG_STATE.pending_name if func is _TAG else None
-        start = time.perf_counter()
-        out = func(*args, **kwargs)
-        elapsed = time.perf_counter() - start
-        index = len(block.ops)
-        # A value written in place is never served from a cache (Note: [a value written in place is recomputed]).
-        if func._schema.is_mutable:
-            for arg in tree_flatten((args, kwargs))[0]:
-                owner = self._created.get(id(arg.untyped_storage())) if isinstance(arg, torch.Tensor) else None
-                if owner is not None and owner[0] is block:
-                    block.ops[owner[1]]["mutated"] = True
-        new_bytes = 0
-        flat_out = tree_flatten(out)[0]
-        for leaf in flat_out:
-            if isinstance(leaf, torch.Tensor):
-                storage = leaf.untyped_storage()
-                key = id(storage)
-                if key not in inputs and key not in self._created:
-                    self._created[key] = (block, index)
-                    self._refs[key] = weakref.ref(storage, functools.partial(self._forget, key))
-                    new_bytes += storage.nbytes()
-        block.ops.append({"index": index, "name": op_name(func), "output_bytes": new_bytes, "saved": False,
-                          "keepable": can_keep(func, flat_out, tag_name), "time_s": elapsed})
-        return out
-
-    def _forget(self, key: int, _ref: weakref.ref | None = None) -> None:  # also a weakref callback
-        self._created.pop(key, None)
-        self._refs.pop(key, None)
-
-    def mark_saved(self, tensor: torch.Tensor) -> None:
-        """Autograd saved ``tensor``: mark the op that created its storage as saved."""
-        owner = self._created.get(id(tensor.untyped_storage()))
-        if owner is not None and owner[0] is self.block:  # a block's output saved by the next is not its own
-            owner[0].ops[owner[1]]["saved"] = True
-
-
-class _Probe:
-    """Hooks on the blocks that read the meter at each block's forward and backward boundaries."""
-
-    def __init__(self, blocks: Sequence[nn.Module], meter: MemoryMeter, recorder: _Recorder | None) -> None:
-        self.blocks, self.meter, self.recorder = list(blocks), meter, recorder
-        self.traces = [_BlockTrace() for _ in self.blocks]
-        self.head_peak = 0
-        self._handles: list[Any] = []
-        self._backward_open: int | None = None
-        for i, block in enumerate(self.blocks):
-            self._handles.append(block.register_forward_pre_hook(self._pre(i), with_kwargs=True))
-            self._handles.append(block.register_forward_hook(self._post(i), with_kwargs=True))
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-    def _pre(self, i: int) -> Callable:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            trace = self.traces[i]
-            trace.calls += 1
-            trace.order = sum(t.calls for t in self.traces)
-            x = _first_tensor((args, kwargs))
-            trace.input_bytes = _nbytes(x)
-            trace.input_id = id(x)
-            trace.input_shape = tuple(x.shape) if x is not None else ()
-            trace.input_storage = weakref.ref(x.untyped_storage()) if x is not None else None
-            trace.side_inputs = _side_inputs((args, kwargs), x)
-            trace.before_forward = self.meter.current_bytes
-            self.meter.reset_peak()
-            trace.forward_s = time.perf_counter()
-            if x is not None and x.requires_grad:
-                self._handles.append(x.register_hook(self._backward_end(i)))
-            if self.recorder is not None:
-                self.recorder.block = trace
-                TAG_STATE.active_regions += 1  # tags act as inside a checkpointed region (same op numbering)
-        return hook
-
-    def _post(self, i: int) -> Callable:
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            trace = self.traces[i]
-            trace.forward_s = time.perf_counter() - trace.forward_s
-            if self.recorder is not None:
-                self.recorder.block = None
-                TAG_STATE.active_regions -= 1
-            y = _first_tensor(output)
-            trace.output_bytes = _nbytes(y)
-            trace.output_id = id(y)
-            trace.forward_peak = self.meter.peak_bytes
-            trace.after_forward = self.meter.current_bytes
-            if y is not None and y.requires_grad:
-                self._handles.append(y.register_hook(self._backward_start(i)))
-            if i == len(self.blocks) - 1:
-                self.meter.reset_peak()
-        return hook
-
-    def _backward_start(self, i: int) -> Callable:
-        def hook(grad: torch.Tensor) -> None:
-            if i == len(self.blocks) - 1:
-                self.head_peak = self.meter.peak_bytes
-            trace = self.traces[i]
-            trace.input_alive_at_backward = trace.input_storage is None or trace.input_storage() is not None
-            trace.freed_side_input_bytes = sum(nbytes for ref, nbytes in trace.side_inputs if ref() is None)
-            self._close_backward()
-            self._backward_open = i
-            self.meter.reset_peak()
-        return hook
-
-    def _backward_end(self, i: int) -> Callable:
-        def hook(grad: torch.Tensor) -> None:
-            if self._backward_open == i:
-                self._close_backward()
-        return hook
-
-    def _close_backward(self) -> None:
-        if self._backward_open is not None:
-            self.traces[self._backward_open].backward_peak = self.meter.peak_bytes
-            self._backward_open = None
-
-    def finish(self) -> None:
-        self._close_backward()
-
-
-def _measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bool) -> _Probe:
-    recorder = _Recorder() if record_ops else None
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if recorder is not None and recorder.block is not None:
-            recorder.mark_saved(tensor)
-        return tensor
-
-    with MemoryMeter() as meter:
-        probe = _Probe(blocks, meter, recorder)
-        try:
-            if recorder is not None:
-                with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    runner.forward_backward()
-            else:
-                runner.forward_backward()
-        finally:
-            probe.close()
-            if recorder is not None and recorder.block is not None:  # a block raised mid-forward
-                TAG_STATE.active_regions -= 1
-        probe.finish()
-    for i, trace in enumerate(probe.traces):
-        if trace.calls != 1:
-            raise ValueError(f"block {i} ({type(blocks[i]).__name__}) ran {trace.calls} times in one training step; "
-                             "torchckpt plans blocks that run exactly once per step (pass blocks=[...] to choose)")
-    orders = [trace.order for trace in probe.traces]
-    if orders != sorted(orders):
-        ran = sorted(range(len(orders)), key=orders.__getitem__)
-        raise ValueError(f"the blocks ran in the order {ran}, not in the order given; torchckpt needs the blocks in "
-                         "forward order (blocks='auto' may have joined two unrelated lists: pass blocks=[...])")
-    return probe
-
-
-def _block_times(blocks: Sequence[nn.Module], *probes: _Probe) -> list[float]:
-    """Forward time of each block: per block the least over the measured steps, then the median over
-    structurally equal blocks with equal input shapes (one figure per kind of block, robust to noise)."""
-    shapes = [tuple(trace.input_shape) for trace in probes[0].traces]
-    keys = [(structure_key(block), shape) for block, shape in zip(blocks, shapes)]
-    least = [min(probe.traces[i].forward_s for probe in probes) for i in range(len(blocks))]
-    by_key: dict[tuple, list[float]] = {}
-    for key, seconds in zip(keys, least):
-        by_key.setdefault(key, []).append(seconds)
-    return [statistics.median(by_key[key]) for key in keys]
-
-
+_log = logging.getLogger("torchckpt")
 def profile(
     model: nn.Module,
     example_inputs: tuple | dict,
@@ -314,6 +91,7 @@ def profile(
     optimizer: torch.optim.Optimizer | None = None,
     blocks: str | Sequence[nn.Module] = "auto",
     progress: Callable[[str], None] | None = None,
+    regions: bool = True,
 ) -> ChainCosts:
     """Measure ``model`` on ``example_inputs`` and return its cost model.
 
@@ -321,8 +99,11 @@ def profile(
     warms up (with ``optimizer`` it is followed by a real optimizer step, so its state exists as it will
     in training); a plain step with the op recorder; and, when the blocks form a chain, one with a
     region of blocks to calibrate ``region_recompute_bytes``. Block forward times come from the hooks of
-    the first two. Gradients are cleared afterwards; parameters change only through the optimizer step.
-    ``progress``, if given, is called with a short description before each step (for a display).
+    the first two. Afterwards the model (parameters, buffers, gradients, modes), the optimizer's state and
+    the RNG streams are exactly as they were (Note: [planning changes nothing]). ``progress``, if given,
+    is called with a short description before each step (for a display). ``regions=False`` skips the
+    third step and marks the costs (``notes["regions"]``) so that no plan made from them has regions;
+    plans have none either when the profiler cannot prove a region exact (``notes["chain"]`` says why).
 
     Example:
         >>> from torchckpt.models import gpt
@@ -333,21 +114,30 @@ def profile(
     """
     block_list = resolve_blocks(model, blocks)
     runner = StepRunner(model, example_inputs, loss_fn, optimizer)
+    with preserved_state(model, optimizer), kv_cache_off([model], while_="profiling"):
+        runner.clear_grads()  # the user's gradients come back afterwards; they are not part of the step
+        return _measure_costs(runner, block_list, progress, regions)
+
+
+def _measure_costs(runner: StepRunner, block_list: list[nn.Module],
+                   progress: Callable[[str], None] | None, regions: bool = True) -> ChainCosts:
     say = progress or (lambda message: None)
     say(f"profiling step 1: {len(block_list)} blocks, every block recomputed")
     start = time.perf_counter()
     with checkpoint_modules(block_list, policy="nothing_saveable"):
-        recomputed = _measure_step(runner, block_list, record_ops=False)
+        recomputed = measure_step(runner, block_list, record_ops=False)
     recomputed_step_s = time.perf_counter() - start
     runner.optimizer_step()
     say("profiling step 2: no checkpointing, recording every op")
-    plain = _measure_step(runner, block_list, record_ops=True)
+    plain = measure_step(runner, block_list, record_ops=True)
     runner.clear_grads()
-    times = _block_times(block_list, recomputed, plain)
+    times = block_times(block_list, recomputed, plain)
     # The checkpointed step ran every block's forward twice; without the recomputation it is a plain step.
     step_time_s = max(recomputed_step_s - sum(times), sum(times))
     costs = _assemble(plain, recomputed, times, step_time_s, [type(b).__name__ for b in block_list])
-    if costs.chain and len(block_list) > 1:
+    if not regions:
+        costs = replace(costs, notes={**costs.notes, "regions": "off (profiled with regions=False)"})
+    elif costs.chain and len(block_list) > 1:
         say("profiling step 3: a region of two blocks")
         costs = replace(costs, region_recompute_bytes=_region_residue(runner, block_list, costs))
     return costs
@@ -381,15 +171,22 @@ def _region_residue(runner: StepRunner, blocks: list[nn.Module], costs: ChainCos
     return max(0, meter.peak_bytes - int(predicted)) + max(block.output_bytes for block in costs.blocks)
 
 
-def _assemble(plain: _Probe, recomputed: _Probe, times: list[float], step_time_s: float,
+def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_time_s: float,
               names: list[str]) -> ChainCosts:
     traces, n = plain.traces, len(plain.traces)
     fixed = traces[0].before_forward - traces[0].input_bytes
     ckpt_fixed = recomputed.traces[0].before_forward - traces[0].input_bytes
     plain_peak = max([plain.head_peak] + [t.forward_peak for t in traces] + [t.backward_peak or 0 for t in traces])
     headroom = HEADROOM_BYTES + int(HEADROOM_FRACTION * max(0, plain_peak - fixed))
-    # Regions need the blocks to be called as a chain: each block's first input is the previous output.
+    # Regions need the blocks to be called as a chain: each block's first input is the previous output,
+    # and a region must not change what the model computes ([a region must be exact]).
     chain = all(traces[k + 1].input_id == traces[k].output_id for k in range(n - 1))
+    problems = plain.recorder.chain_problems if plain.recorder is not None else []
+    if chain and problems:
+        chain = False
+        _log.info("torchckpt: plans for this model have no regions (blocks checkpointed together): %s", problems[0])
+    reason = problems[0] if problems else "a block's first input is not the previous block's first output"
+    chain_note = "yes: regions allowed" if chain else f"no: {reason}; plans checkpoint single blocks only"
     if chain:
         inputs = [t.input_bytes for t in traces]
         saved = [max(0, t.after_forward - t.before_forward - t.output_bytes) for t in traces]
@@ -425,10 +222,10 @@ def _assemble(plain: _Probe, recomputed: _Probe, times: list[float], step_time_s
                                  recompute_peak_bytes=recompute, ops=ops, input_held_when_plain=input_held[i],
                                  freed_side_input_bytes=freed[i]))
     return ChainCosts(fixed_bytes=fixed + headroom, head_bytes=head, blocks=tuple(blocks), step_time_s=step_time_s,
-                      chain=chain, notes={"headroom_bytes": str(headroom)})
+                      chain=chain, notes={"headroom_bytes": str(headroom), "chain": chain_note})
 
 
-def _held_between_blocks(plain: _Probe, recomputed: _Probe, fixed: int,
+def _held_between_blocks(plain: Probe, recomputed: Probe, fixed: int,
                          ckpt_fixed: int) -> tuple[list[int], list[int]]:
     """Per block, the bytes held through the backward pass when checkpointed and the extra when plain.
 
@@ -439,7 +236,7 @@ def _held_between_blocks(plain: _Probe, recomputed: _Probe, fixed: int,
     after the last block, less its output), so the all-plain and all-checkpointed plans telescope to the
     measured figures exactly whatever the code between blocks keeps.
     """
-    def held(probe: _Probe, fixed: int) -> list[int]:
+    def held(probe: Probe, fixed: int) -> list[int]:
         traces = probe.traces
         before = [t.before_forward - fixed - t.input_bytes for t in traces]
         return before + [traces[-1].after_forward - fixed - traces[-1].output_bytes]

@@ -1,9 +1,11 @@
-"""verify_plan(): run one step with a plan and one without; compare measured peak and gradients.
+"""verify_plan(): run one step with a plan and one without; compare measured peak, gradients and buffers.
 
 This is the proof a plan carries: the measured peak (MemoryMeter) against the budget and the
-prediction, and gradients bitwise against the uncheckpointed model (same RNG, so the same dropout).
-The reference gradients are kept as NumPy byte arrays, outside tensor memory, so that keeping them
-does not inflate the measured peak of the planned step.
+prediction, and gradients and buffers (BatchNorm statistics) bitwise against the uncheckpointed model
+(same RNG, so the same dropout; both steps start from the same buffers; Note: [checkpointing is exact]).
+The reference gradients and buffers are kept as NumPy byte arrays, outside tensor memory, so that
+keeping them does not inflate the measured peak of the planned step. The model's parameters, buffers,
+gradients and modes come back as they were (``_host.preserved_state``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from torchckpt._host import host_bytes, preserved_rng
+from torchckpt._host import host_bytes, preserved_rng, preserved_state
 from torchckpt._units import format_bytes
 from torchckpt.memory import MemoryMeter
 from torchckpt.planner.apply import apply_plan
@@ -37,6 +39,8 @@ class VerifyReport:
     no_checkpointing_peak_bytes: int
     gradients_equal: bool
     max_gradient_difference: float
+    buffers_equal: bool
+    first_differing_buffer: str | None  # its name in ``named_buffers()``; None when all are equal
     step_time_s: float
     no_checkpointing_step_time_s: float
 
@@ -61,6 +65,7 @@ class VerifyReport:
             f"gradients {'bitwise equal' if self.gradients_equal else 'DIFFER'} "
             f"(max |difference| {self.max_gradient_difference:.3g}); step {self.step_time_s:.3f} s vs "
             f"{self.no_checkpointing_step_time_s:.3f} s without checkpointing",
+            "buffers bitwise equal" if self.buffers_equal else f"buffers DIFFER (first: {self.first_differing_buffer})",
         ])
 
     def __str__(self) -> str:
@@ -82,6 +87,24 @@ def _measured_step(runner: StepRunner, seed: int) -> tuple[int, float, list[tupl
     return meter.peak_bytes, elapsed, grads
 
 
+def _buffer_bytes(model: nn.Module) -> dict[str, np.ndarray]:
+    return {name: host_bytes(buffer) for name, buffer in model.named_buffers()}
+
+
+def _put_back_buffers(model: nn.Module, saved: dict[str, np.ndarray]) -> None:
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(torch.from_numpy(saved[name].copy()).view(buffer.dtype).view(buffer.shape))
+
+
+def _first_difference(found: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> str | None:
+    """The first buffer (in ``named_buffers`` order) whose bytes differ, or None."""
+    for name, value in reference.items():
+        if name not in found or not np.array_equal(found[name], value):
+            return name
+    return None
+
+
 def _compare(grads: list, reference: list) -> tuple[bool, float]:
     """Bitwise equality of all gradients, and the largest absolute difference (as float64)."""
     equal, difference = True, 0.0
@@ -99,7 +122,8 @@ def _compare(grads: list, reference: list) -> tuple[bool, float]:
 
 def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
            loss_fn: Callable[[Any], torch.Tensor] | None = None, seed: int = 0) -> VerifyReport:
-    """Measure one step with ``plan`` applied and one without; gradients are cleared afterwards.
+    """Measure one step with ``plan`` applied and one without, both from the same buffers; compare
+    gradients and buffers bitwise. The model's parameters, buffers and gradients are left as they were.
 
     Example:
         >>> import torchckpt
@@ -108,17 +132,23 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
         >>> batch = model.example_batch(batch_size=4, seq_len=128)
         >>> plan = torchckpt.plan(model, batch, budget="75%")
         >>> report = verify_plan(model, plan, batch)
-        >>> report.within_budget, report.gradients_equal
-        (True, True)
+        >>> report.within_budget, report.gradients_equal, report.buffers_equal
+        (True, True, True)
     """
     plan.check_fits(model, example_inputs)
     runner = StepRunner(model, example_inputs, loss_fn)
-    _measured_step(runner, seed)  # warm-up: first-call costs out of the way
-    plain_peak, plain_time, plain_grads = _measured_step(runner, seed)
-    with apply_plan(model, plan):
-        peak, step_time, grads = _measured_step(runner, seed)
+    with preserved_state(model):  # the warm-up and both steps update BatchNorm statistics: undo them
+        _measured_step(runner, seed)  # warm-up: first-call costs out of the way
+        start = _buffer_bytes(model)
+        plain_peak, plain_time, plain_grads = _measured_step(runner, seed)
+        plain_buffers = _buffer_bytes(model)
+        _put_back_buffers(model, start)  # the planned step starts from the same buffers
+        with apply_plan(model, plan):
+            peak, step_time, grads = _measured_step(runner, seed)
+        differing = _first_difference(_buffer_bytes(model), plain_buffers)
     equal, difference = _compare(grads, plain_grads)
     return VerifyReport(budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
                         measured_peak_bytes=peak, no_checkpointing_peak_bytes=plain_peak, gradients_equal=equal,
-                        max_gradient_difference=difference, step_time_s=step_time,
+                        max_gradient_difference=difference, buffers_equal=differing is None,
+                        first_differing_buffer=differing, step_time_s=step_time,
                         no_checkpointing_step_time_s=plain_time)

@@ -1,0 +1,371 @@
+"""The profiler's instruments: hooks and an op recorder around one measured training step.
+
+``measure_step`` runs one step of a ``StepRunner`` under a ``MemoryMeter`` with a ``Probe`` on the
+blocks: per block the meter's readings at its forward and backward marks, its inputs and outputs, and
+(with ``record_ops``) every op it runs, numbered as the executor numbers them, plus what the region
+exactness check needs (which ops outside a block read its outputs). ``profile.py`` turns the readings
+into a cost model; nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from torchckpt.executor.checkpoint import can_keep
+from torchckpt.executor.policies import TAG_STATE, op_name
+from torchckpt.memory import MemoryMeter
+from torchckpt.planner.blocks import structure_key
+from torchckpt.planner.runner import StepRunner
+
+__all__ = ["Probe", "block_times", "measure_step"]
+
+
+_DETACH = torch.ops.aten.detach.default
+_TAG = torch.ops.aten.alias.default  # what ``tag`` dispatches (policies.py)
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+    return None
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.untyped_storage().nbytes()
+
+
+def _side_inputs(inputs: Any, first: torch.Tensor | None) -> list[tuple[weakref.ref, int]]:
+    """Weak references to the storages of a block's tensor inputs other than ``first``'s, each once: what
+    a checkpoint of the block keeps alive besides its first input."""
+    # The list holds every storage object while ids are compared, so no id can be reused meanwhile.
+    storages = [leaf.untyped_storage() for leaf in tree_flatten(inputs)[0] if isinstance(leaf, torch.Tensor)]
+    seen = set() if first is None else {id(first.untyped_storage())}
+    found = []
+    for storage in storages:
+        if id(storage) not in seen:
+            seen.add(id(storage))
+            found.append((weakref.ref(storage), storage.nbytes()))
+    return found
+
+
+def _signature(value: Any) -> tuple[Any, list]:
+    """The structure and leaves of ``value``; tensors held weakly (the probe must not keep them alive)."""
+    leaves, spec = tree_flatten(value)
+    return spec, [weakref.ref(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+
+
+def _same_signature(a: tuple[Any, list], b: tuple[Any, list], *, tensors_by_identity: bool = False) -> bool:
+    """Same structure, tensors at the same places (the same tensors with ``tensors_by_identity``), and
+    equal other leaves."""
+    if a[0] != b[0] or len(a[1]) != len(b[1]):
+        return False
+    for x, y in zip(a[1], b[1]):
+        if isinstance(x, weakref.ref) or isinstance(y, weakref.ref):
+            if not (isinstance(x, weakref.ref) and isinstance(y, weakref.ref)):
+                return False
+            if tensors_by_identity and (x() is None or x() is not y()):
+                return False
+        elif x is not y:
+            try:
+                if not bool(x == y):
+                    return False
+            except Exception:  # noqa: BLE001 - anything that cannot be compared counts as different
+                return False
+    return True
+
+
+@dataclass
+class _BlockTrace:
+    input_bytes: int = 0
+    output_bytes: int = 0
+    before_forward: int = 0
+    after_forward: int = 0
+    forward_peak: int = 0
+    forward_s: float = 0.0
+    backward_peak: int | None = None
+    calls: int = 0
+    input_id: int = 0
+    input_shape: tuple = ()
+    order: int = -1
+    output_id: int = 0
+    ops: list[dict] = field(default_factory=list)
+    input_storage: weakref.ref | None = None  # weak: the probe must not keep the input alive itself
+    input_alive_at_backward: bool = True
+    side_inputs: list[tuple[weakref.ref, int]] = field(default_factory=list)  # (storage, bytes), weak as above
+    freed_side_input_bytes: int = 0
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the ops of the block currently running forward, numbered as the executor numbers them.
+
+    Storages are identified by their Python object (alive as long as the storage), never by address:
+    the allocator reuses the address of a freed storage at once.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block: _BlockTrace | None = None
+        self.block_index: int | None = None  # the index of ``block``
+        self._created: dict[int, tuple[_BlockTrace, int]] = {}  # id(storage) -> (block, op index)
+        self._refs: dict[int, weakref.ref] = {}
+        # Block outputs whose reads are checked ([a region must be exact]): id(storage) -> (weak storage,
+        # producing block, whether it is the hidden state the next block may read); and what was found.
+        self.watched: dict[int, tuple[weakref.ref, int, bool]] = {}
+        self.chain_problems: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _DETACH:
+            return func(*args, **kwargs)
+        flat_args = tree_flatten((args, kwargs))[0]
+        if self.watched and torch._C._current_graph_task_id() == -1:  # forward ops only, not the backward's
+            self._check_reads(func, flat_args)
+        block = self.block
+        if block is None:
+            return func(*args, **kwargs)
+        inputs = {id(t.untyped_storage()) for t in flat_args if isinstance(t, torch.Tensor)}
+        tag_name = TAG_STATE.pending_name if func is _TAG else None
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        elapsed = time.perf_counter() - start
+        index = len(block.ops)
+        # A value written in place is never served from a cache (Note: [a value written in place is recomputed]).
+        if func._schema.is_mutable:
+            for arg in flat_args:
+                owner = self._created.get(id(arg.untyped_storage())) if isinstance(arg, torch.Tensor) else None
+                if owner is not None and owner[0] is block:
+                    block.ops[owner[1]]["mutated"] = True
+        new_bytes = 0
+        flat_out = tree_flatten(out)[0]
+        for leaf in flat_out:
+            if isinstance(leaf, torch.Tensor):
+                storage = leaf.untyped_storage()
+                key = id(storage)
+                if key not in inputs and key not in self._created:
+                    self._created[key] = (block, index)
+                    self._refs[key] = weakref.ref(storage, functools.partial(self._forget, key))
+                    new_bytes += storage.nbytes()
+        block.ops.append({"index": index, "name": op_name(func), "output_bytes": new_bytes, "saved": False,
+                          "keepable": can_keep(func, flat_out, tag_name), "time_s": elapsed})
+        return out
+
+    def _check_reads(self, func: Any, flat_args: list) -> None:
+        """Note the first op that reads a watched block output where a region would hand it another value:
+        anywhere but in the next block for a block's hidden state, anywhere at all for its other outputs."""
+        for leaf in flat_args:
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            storage = leaf.untyped_storage()
+            entry = self.watched.get(id(storage))
+            if entry is None or entry[0]() is not storage:
+                continue
+            _, producer, hidden = entry
+            reader = self.block_index
+            if hidden and reader == producer + 1:
+                continue
+            where = "code outside the blocks" if reader is None else f"block {reader}"
+            what = "output" if hidden else "output other than its hidden state (its first)"
+            self.chain_problems.append(f"block {producer}'s {what} is read by {where} ({op_name(func)})")
+            self.watched.clear()  # one reason is enough
+            return
+
+    def watch(self, output: Any, hidden: Any, producer: int) -> None:
+        """Check, from now on, the reads of the tensors ``output`` holds (``hidden`` among them)."""
+        for leaf in tree_flatten(output)[0]:
+            if isinstance(leaf, torch.Tensor):
+                storage = leaf.untyped_storage()
+                known = self.watched.get(id(storage))
+                shared = known is not None and known[1] == producer and not known[2]  # also another output
+                self.watched[id(storage)] = (weakref.ref(storage), producer, leaf is hidden and not shared)
+
+    def _forget(self, key: int, _ref: weakref.ref | None = None) -> None:  # also a weakref callback
+        self._created.pop(key, None)
+        self._refs.pop(key, None)
+
+    def mark_saved(self, tensor: torch.Tensor) -> None:
+        """Autograd saved ``tensor``: mark the op that created its storage as saved."""
+        owner = self._created.get(id(tensor.untyped_storage()))
+        if owner is not None and owner[0] is self.block:  # a block's output saved by the next is not its own
+            owner[0].ops[owner[1]]["saved"] = True
+
+
+class Probe:
+    """Hooks on the blocks that read the meter at each block's forward and backward boundaries."""
+
+    def __init__(self, blocks: Sequence[nn.Module], meter: MemoryMeter, recorder: _Recorder | None) -> None:
+        self.blocks, self.meter, self.recorder = list(blocks), meter, recorder
+        self.traces = [_BlockTrace() for _ in self.blocks]
+        self.head_peak = 0
+        self._handles: list[Any] = []
+        self._backward_open: int | None = None
+        # [a region must be exact]: the previous block's hidden state (weak), arguments besides it, and
+        # outputs besides it, to compare the next block's with (only in the step with the recorder).
+        self._hidden: weakref.ref | None = None
+        self._side: tuple | None = None
+        self._rest: tuple | None = None
+        for i, block in enumerate(self.blocks):
+            self._handles.append(block.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            self._handles.append(block.register_forward_hook(self._post(i), with_kwargs=True))
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _pre(self, i: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            trace = self.traces[i]
+            trace.calls += 1
+            trace.order = sum(t.calls for t in self.traces)
+            x = _first_tensor((args, kwargs))
+            trace.input_bytes = _nbytes(x)
+            trace.input_id = id(x)
+            trace.input_shape = tuple(x.shape) if x is not None else ()
+            trace.input_storage = weakref.ref(x.untyped_storage()) if x is not None else None
+            trace.side_inputs = _side_inputs((args, kwargs), x)
+            trace.before_forward = self.meter.current_bytes
+            self.meter.reset_peak()
+            trace.forward_s = time.perf_counter()
+            if x is not None and x.requires_grad:
+                self._handles.append(x.register_hook(self._backward_end(i)))
+            if self.recorder is not None:
+                self._check_call(i, args, kwargs)
+                self.recorder.block, self.recorder.block_index = trace, i
+                TAG_STATE.active_regions += 1  # tags act as inside a checkpointed region (same op numbering)
+        return hook
+
+    def _post(self, i: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            trace = self.traces[i]
+            trace.forward_s = time.perf_counter() - trace.forward_s
+            if self.recorder is not None:
+                self.recorder.block, self.recorder.block_index = None, None
+                TAG_STATE.active_regions -= 1
+                self._check_output(i, output)
+            y = _first_tensor(output)
+            trace.output_bytes = _nbytes(y)
+            trace.output_id = id(y)
+            trace.forward_peak = self.meter.peak_bytes
+            trace.after_forward = self.meter.current_bytes
+            if y is not None and y.requires_grad:
+                self._handles.append(y.register_hook(self._backward_start(i)))
+            if i == len(self.blocks) - 1:
+                self.meter.reset_peak()
+        return hook
+
+    def _check_call(self, i: int, args: tuple, kwargs: dict) -> None:
+        """[a region must be exact]: a region passes each block the previous block's hidden state as its
+        first positional argument and the region's first block's other arguments."""
+        assert self.recorder is not None
+        problems = self.recorder.chain_problems
+        side = _signature((args[1:], kwargs))
+        if i > 0 and not problems:
+            previous = self._hidden() if self._hidden is not None else None
+            if previous is None or not args or args[0] is not previous:
+                problems.append(f"block {i}'s first positional argument is not block {i - 1}'s output "
+                                "(its first item when a tuple)")
+            elif self._side is None or not _same_signature(side, self._side, tensors_by_identity=True):
+                problems.append(f"block {i} gets other arguments than block {i - 1} besides the hidden state")
+        self._side = side if i < len(self.blocks) - 1 else None
+
+    def _check_output(self, i: int, output: Any) -> None:
+        """[a region must be exact]: a region's blocks after its first return its hidden state with the region
+        output's other items, so those must be alike from block to block and never read (``_check_reads``)."""
+        assert self.recorder is not None
+        problems = self.recorder.chain_problems
+        hidden = output[0] if isinstance(output, tuple) and output else output
+        if not isinstance(hidden, torch.Tensor):
+            if not problems:
+                problems.append(f"block {i} returns neither a tensor nor a tuple that starts with one")
+            self._hidden = None
+            return
+        self._hidden = weakref.ref(hidden)
+        rest = _signature(output[1:] if isinstance(output, tuple) else ())
+        if i > 0 and not problems and (self._rest is None or not _same_signature(rest, self._rest)):
+            problems.append(f"block {i} returns other items besides its hidden state than block {i - 1}")
+        last = i == len(self.blocks) - 1
+        self._rest = None if last else rest
+        if not last and not problems:
+            self.recorder.watch(output, hidden, i)
+
+    def _backward_start(self, i: int) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            if i == len(self.blocks) - 1:
+                self.head_peak = self.meter.peak_bytes
+            trace = self.traces[i]
+            trace.input_alive_at_backward = trace.input_storage is None or trace.input_storage() is not None
+            trace.freed_side_input_bytes = sum(nbytes for ref, nbytes in trace.side_inputs if ref() is None)
+            self._close_backward()
+            self._backward_open = i
+            self.meter.reset_peak()
+        return hook
+
+    def _backward_end(self, i: int) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            if self._backward_open == i:
+                self._close_backward()
+        return hook
+
+    def _close_backward(self) -> None:
+        if self._backward_open is not None:
+            self.traces[self._backward_open].backward_peak = self.meter.peak_bytes
+            self._backward_open = None
+
+    def finish(self) -> None:
+        self._close_backward()
+
+
+def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bool) -> Probe:
+    recorder = _Recorder() if record_ops else None
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if recorder is not None and recorder.block is not None:
+            recorder.mark_saved(tensor)
+        return tensor
+
+    with MemoryMeter() as meter:
+        probe = Probe(blocks, meter, recorder)
+        try:
+            if recorder is not None:
+                with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    runner.forward_backward()
+            else:
+                runner.forward_backward()
+        finally:
+            probe.close()
+            if recorder is not None and recorder.block is not None:  # a block raised mid-forward
+                TAG_STATE.active_regions -= 1
+        probe.finish()
+    for i, trace in enumerate(probe.traces):
+        if trace.calls != 1:
+            raise ValueError(f"block {i} ({type(blocks[i]).__name__}) ran {trace.calls} times in one training step; "
+                             "torchckpt plans blocks that run exactly once per step (pass blocks=[...] to choose)")
+    orders = [trace.order for trace in probe.traces]
+    if orders != sorted(orders):
+        ran = sorted(range(len(orders)), key=orders.__getitem__)
+        raise ValueError(f"the blocks ran in the order {ran}, not in the order given; torchckpt needs the blocks in "
+                         "forward order (blocks='auto' may have joined two unrelated lists: pass blocks=[...])")
+    return probe
+
+
+def block_times(blocks: Sequence[nn.Module], *probes: Probe) -> list[float]:
+    """Forward time of each block: per block the least over the measured steps, then the median over
+    structurally equal blocks with equal input shapes (one figure per kind of block, robust to noise)."""
+    shapes = [tuple(trace.input_shape) for trace in probes[0].traces]
+    keys = [(structure_key(block), shape) for block, shape in zip(blocks, shapes)]
+    least = [min(probe.traces[i].forward_s for probe in probes) for i in range(len(blocks))]
+    by_key: dict[tuple, list[float]] = {}
+    for key, seconds in zip(keys, least):
+        by_key.setdefault(key, []).append(seconds)
+    return [statistics.median(by_key[key]) for key in keys]
