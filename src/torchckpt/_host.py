@@ -79,16 +79,22 @@ def preserved_rng() -> Iterator[RngSnapshot]:
         snapshot.restore()
 
 
-_HostTensor = tuple[np.ndarray, torch.dtype, torch.Size, torch.device]
+@dataclass(frozen=True)
+class _HostTensor:
+    """A tensor kept as host bytes with what it takes to rebuild it (dtype, shape, device)."""
+
+    data: np.ndarray
+    dtype: torch.dtype
+    shape: torch.Size
+    device: torch.device
 
 
 def _to_host(tensor: torch.Tensor) -> _HostTensor:
-    return host_bytes(tensor), tensor.dtype, tensor.shape, tensor.device
+    return _HostTensor(host_bytes(tensor), tensor.dtype, tensor.shape, tensor.device)
 
 
 def _from_host(saved: _HostTensor) -> torch.Tensor:
-    data, dtype, shape, device = saved
-    return torch.from_numpy(data.copy()).view(dtype).view(shape).to(device)
+    return torch.from_numpy(saved.data.copy()).view(saved.dtype).view(saved.shape).to(saved.device)
 
 
 def _optimizer_snapshot(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
@@ -102,8 +108,7 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[int, dict[s
     params = {id(param): param for group in optimizer.param_groups for param in group["params"]}
     optimizer.state.clear()
     for key, state in saved.items():
-        optimizer.state[params[key]] = {name: _from_host(value) if isinstance(value, tuple) and len(value) == 4
-                                        and isinstance(value[0], np.ndarray) else value
+        optimizer.state[params[key]] = {name: _from_host(value) if isinstance(value, _HostTensor) else value
                                         for name, value in state.items()}
 
 

@@ -327,6 +327,18 @@ class Probe:
 
 
 def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bool) -> Probe:
+    """Run one training step under a ``MemoryMeter`` with a :class:`Probe` on ``blocks`` (and, with
+    ``record_ops``, the op recorder); refuse blocks that do not run exactly once each, in order.
+
+    Example:
+        >>> from torchckpt.models import gpt
+        >>> model = gpt("tiny", dropout=0.0)
+        >>> runner = StepRunner(model, model.example_batch(batch_size=2, seq_len=16))
+        >>> probe = measure_step(runner, list(model.blocks), record_ops=False)
+        >>> [trace.calls for trace in probe.traces]
+        [1, 1]
+        >>> runner.clear_grads()
+    """
     recorder = _Recorder() if record_ops else None
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -361,7 +373,18 @@ def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bo
 
 def block_times(blocks: Sequence[nn.Module], *probes: Probe) -> list[float]:
     """Forward time of each block: per block the least over the measured steps, then the median over
-    structurally equal blocks with equal input shapes (one figure per kind of block, robust to noise)."""
+    structurally equal blocks with equal input shapes (one figure per kind of block, robust to noise).
+
+    Example:
+        >>> from torchckpt.models import gpt
+        >>> model = gpt("tiny", dropout=0.0)
+        >>> runner = StepRunner(model, model.example_batch(batch_size=2, seq_len=16))
+        >>> probe = measure_step(runner, list(model.blocks), record_ops=False)
+        >>> first, second = block_times(list(model.blocks), probe)
+        >>> first == second > 0  # equal blocks on equal inputs share one median
+        True
+        >>> runner.clear_grads()
+    """
     shapes = [tuple(trace.input_shape) for trace in probes[0].traces]
     keys = [(structure_key(block), shape) for block, shape in zip(blocks, shapes)]
     least = [min(probe.traces[i].forward_s for probe in probes) for i in range(len(blocks))]
