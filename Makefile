@@ -1,5 +1,6 @@
 # Two commands work on a fresh machine: `make demo` and `make test`.
-# Each creates .venv if missing, installs CPU PyTorch, then this package with its dev extras.
+# Each creates .venv if missing, installs CPU PyTorch, then this package with its dev extras, pinning the
+# installed torch in the same pip call so that no extra (diffusers, peft, ...) can replace it.
 # CUDA users: create .venv yourself and install the torch build for your CUDA first
 # (https://pytorch.org/get-started/locally/); `make` then keeps it, since torch>=2.4 is already met.
 
@@ -16,7 +17,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev]" "torch==$$($(PY) -c 'import torch; print(torch.__version__.split("+")[0])')"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -57,6 +57,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from torchckpt.executor.compiled import refuse_while_compiling
 from torchckpt.executor.outer_writes import WriteLog
 from torchckpt.executor.policies import (
     TAG_STATE,
@@ -362,6 +363,7 @@ def run_recorded(region: CheckpointRecord, fn: Callable[..., Any], args: tuple, 
         >>> [record.records[index].name for index in record.cache]
         ['aten.addmm']
     """
+    refuse_while_compiling()  # Note: [compiled models are refused]
     context_fn = functools.partial(_region_contexts, region)
     return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                                        context_fn=context_fn, **kwargs)

@@ -19,6 +19,7 @@ from typing import Any
 from torch import nn
 
 from torchckpt.executor.checkpoint import checkpoint
+from torchckpt.executor.compiled import refuse_compiled
 from torchckpt.executor.kv_cache import disable_kv_cache, restore_kv_cache
 from torchckpt.executor.policies import PolicyLike, resolve_policy
 
@@ -103,6 +104,7 @@ def checkpoint_modules(modules: Iterable[nn.Module], policy: PolicyLike = None,
     """
     resolved = resolve_policy(policy)
     modules = list(modules)
+    refuse_compiled(modules, "checkpoint_modules")  # Note: [compiled models are refused]
     wrapped: list[nn.Module] = []
     for module in modules:
         if not isinstance(module, nn.Module):

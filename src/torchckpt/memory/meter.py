@@ -17,6 +17,10 @@ How the CPU meter counts (the rules every figure it reports obeys, named in ``do
 4. **[only the meter's device counts]** Only storages on the meter's device are counted (CPU by
    default). Meta, fake and sparse tensors own no countable storage and are ignored.
 
+5. **[compiled code runs eagerly under the meter]** ``torch.compile`` skips every frame while a Python
+   dispatch mode is active, so a compiled function called inside the CPU meter runs, and is measured,
+   eagerly (Note: [compiled models are refused]); the planner refuses compiled modules for this reason.
+
 On CUDA the numbers come from the caching allocator (``torch.cuda.memory_allocated`` and
 ``max_memory_allocated``), which already follow the same rules at block granularity.
 

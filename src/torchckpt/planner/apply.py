@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from torchckpt.executor import CheckpointHandle, checkpoint, save_ops, wrap_forward
+from torchckpt.executor.compiled import refuse_compiled
 from torchckpt.executor.kv_cache import disable_kv_cache
 from torchckpt.planner.plan import Plan, PlannedRegion, PlanPiece
 
@@ -41,6 +42,7 @@ def apply_plan(model: nn.Module, plan: Plan) -> CheckpointHandle:
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan: expected a torchckpt Plan; got {type(plan).__name__} "
                         "(make one with torchckpt.plan(model, inputs, budget=...) or Plan.load(path))")
+    refuse_compiled([model], "torchckpt.apply")  # Note: [compiled models are refused]
     plan.check_fits(model)
     blocks = [model.get_submodule(path) for path in plan.block_paths]
     wrapped: list[nn.Module] = []

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from torchckpt.executor.compiled import refuse_compiled
+
 __all__ = ["block_paths", "find_blocks", "resolve_blocks", "structure_key"]
 
 
@@ -85,6 +87,7 @@ def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
 
 
 def _refuse_wrapped(model: nn.Module) -> None:
+    refuse_compiled([model], "torchckpt.plan/profile/verify")  # Note: [compiled models are refused]
     for name, module in model.named_modules():
         if "forward" in vars(module):
             raise ValueError(f"module {name or type(model).__name__!r} already runs under a torchckpt plan or "
