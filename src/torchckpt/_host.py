@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["RngSnapshot", "host_bytes", "preserved_rng", "preserved_state"]
+__all__ = ["RngSnapshot", "host_bytes", "paused_gc", "preserved_rng", "preserved_state"]
 
 
 def host_bytes(tensor: torch.Tensor) -> np.ndarray:
@@ -27,6 +28,29 @@ def host_bytes(tensor: torch.Tensor) -> np.ndarray:
         [0, 60, 0, 60]
     """
     return tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().copy()
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Collect garbage, then keep Python's cyclic garbage collector off inside the block (as ``timeit`` does).
+
+    Measured steps run inside it: tensors left in reference cycles by earlier work would otherwise be
+    counted in one step's baseline and freed in the middle of another (hundreds of KiB between runs of the
+    same test), and a collection inside a timed step would be timed with it.
+
+    Example:
+        >>> with paused_gc():
+        ...     gc.isenabled()
+        False
+    """
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _cuda_initialised() -> bool:

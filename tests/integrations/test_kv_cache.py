@@ -51,8 +51,9 @@ def test_plan_apply_verify_on_a_default_config() -> None:
     assert model.config.use_cache is True  # profiling put it back
     report = torchckpt.verify_plan(model, plan, batch)
     assert report.within_budget and report.gradients_equal
-    recomputes = any(not isinstance(p, torchckpt.planner.PlannedBlock) or p.recomputes for p in plan.schedule)
     with torchckpt.apply(model, plan):
-        assert model.config.use_cache is (not recomputes)  # off exactly while something is checkpointed
+        # Off while any plan is applied, even one that recomputes nothing: profiling measured every step,
+        # the plain one too, with the cache off, and a default GPT-2 step's peak differs with it on.
+        assert model.config.use_cache is False
         model(**batch).loss.backward()
     assert model.config.use_cache is True

@@ -12,8 +12,8 @@ from torchckpt.planner.plan import fingerprint
 
 
 def prediction_error(model: nn.Module, batch: tuple, costs: ChainCosts, schedule: tuple) -> int:
-    """(predicted peak - headroom) - measured peak of ``schedule`` on ``model.blocks``; gradients must equal
-    the plain model's."""
+    """predicted peak - measured peak of ``schedule`` on ``model.blocks`` (``fixed_bytes`` holds no headroom;
+    the margin is kept by the solver, not the prediction); gradients must equal the plain model's."""
     paths = [f"blocks.{i}" for i in range(len(costs.blocks))]
     menus = [solver.block_menu(block) for block in costs.blocks]
     predicted, _ = solver.evaluate(costs, schedule)
@@ -22,4 +22,4 @@ def prediction_error(model: nn.Module, batch: tuple, costs: ChainCosts, schedule
                           fingerprint=fingerprint(model, batch, paths))
     report = torchckpt.verify_plan(model, plan, batch)
     assert report.gradients_equal, plan.table()
-    return int(predicted) - int(costs.notes["headroom_bytes"]) - report.measured_peak_bytes
+    return int(predicted) - report.measured_peak_bytes

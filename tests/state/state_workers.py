@@ -29,6 +29,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "adamw-onecycle-sync": {"optimizer": "adamw", "scheduler": "onecycle", "async_save": False, "preempt": False},
     "sgd-step-async": {"optimizer": "sgd", "scheduler": "step", "async_save": True, "preempt": False},
     "adamw-step-preempt": {"optimizer": "adamw", "scheduler": "step", "async_save": True, "preempt": True},
+    # The same with two DataLoader workers, preempted by a SIGTERM to the whole process group.
+    "adamw-step-preempt-workers": {"optimizer": "adamw", "scheduler": "step", "async_save": True, "preempt": True,
+                                   "workers": 2},
     "adamw-onecycle-staged": {"optimizer": "adamw", "scheduler": "onecycle", "async_save": True,
                               "async_staging": True, "preempt": False},
     # The built-in GPT (tiny, dropout 0.1) on a fixed random token dataset, saved every 2 steps.
@@ -66,7 +69,8 @@ def build_training(variant: str, total_steps: int):
     inputs = torch.randn(60, 12, generator=generator)
     targets = torch.randint(0, 3, (60,), generator=generator)
     dataset = torch.utils.data.TensorDataset(inputs, targets)
-    loader = StatefulDataLoader(dataset, batch_size=8, shuffle=True)  # 8 batches/epoch, last one short
+    loader = StatefulDataLoader(dataset, batch_size=8, shuffle=True,  # 8 batches/epoch, last one short
+                                num_workers=spec.get("workers", 0))
     return model, optimizer, scheduler, loader
 
 

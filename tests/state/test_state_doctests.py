@@ -11,7 +11,9 @@ MODULES = [
     "torchckpt.state.format", "torchckpt.state.codec", "torchckpt.state.storage", "torchckpt.state.capture",
     "torchckpt.state.snapshot", "torchckpt.state.catalog", "torchckpt.state.reader", "torchckpt.state.retention",
     "torchckpt.state.preemption", "torchckpt.state.checkpointer", "torchckpt.state.interchange",
-    "torchckpt.state.errors", "torchckpt.cli.state_commands",
+    "torchckpt.state.errors", "torchckpt.cli.state_commands", "torchckpt.state.local_files",
+    "torchckpt.state.lockfile", "torchckpt.state.lifecycle", "torchckpt.state.branches", "torchckpt.state.hashed_write",
+    "torchckpt.state.preempt_points",
 ]
 
 

@@ -253,8 +253,10 @@ def plot_model(model: dict[str, Any], path: str | Path) -> Path | None:
     runs = [r for r in model.get("runs", []) if _ok(r) and "same_plan_as" not in r]
     if not runs:
         return None
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("plots need matplotlib: pip install torchckpt[train] (or pip install matplotlib)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

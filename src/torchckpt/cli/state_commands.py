@@ -1,7 +1,8 @@
 """``torchckpt ls / verify / export / import``: inspect and convert training-state checkpoints.
 
 Every command prints a one-line error (no traceback) and exits with 2 when the
-input is unusable; ``verify`` exits with 1 when a checkpoint is corrupt.
+input is unusable; ``verify`` exits with 1 when a checkpoint is corrupt or unverifiable (a
+hash algorithm this torchckpt does not know).
 """
 
 from __future__ import annotations
@@ -88,24 +89,29 @@ def _format_time(unix_s: float | None) -> str:
 
 
 def _valid_text(info: CheckpointInfo) -> str:
-    return "yes" if info.valid else f"NO: {info.problem}"
+    if info.valid:
+        return "yes"
+    return f"{'UNVERIFIABLE' if info.unverifiable else 'NO'}: {info.problem}"
 
 
 def _run_ls(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     infos = list_checkpoints(args.directory, verify="full" if args.full else "fast")
     if not infos:
         print(f"{args.directory}: no checkpoints")
         return 0
-    table = Table(title=f"checkpoints in {args.directory}")
+    # Every text from the directory is escaped: a metric name or path like "[/x]" or "[blink]" is shown as
+    # written, never parsed as rich markup (a crash, or terminal styles injected by whoever wrote the files).
+    table = Table(title=f"checkpoints in {escape(args.directory)}")
     for column in ("step", "time", "size", "metrics", "valid"):
         table.add_column(column, overflow="fold")
     for info in infos:
         metrics = " ".join(f"{k}={v:.6g}" for k, v in info.metrics.items())
-        table.add_row(str(info.step), _format_time(info.created_unix_s), format_bytes(info.size_bytes), metrics,
-                      _valid_text(info))
+        table.add_row(str(info.step), _format_time(info.created_unix_s), format_bytes(info.size_bytes),
+                      escape(metrics), escape(_valid_text(info)))
     width = shutil.get_terminal_size(fallback=(160, 24)).columns
     Console(file=sys.stdout, width=max(width, 100)).print(table)
     return 0
@@ -120,7 +126,7 @@ def _run_verify(args: argparse.Namespace) -> int:
         if info.valid:
             print(f"step {info.step}: OK ({format_bytes(info.size_bytes)})")
             continue
-        print(f"step {info.step}: CORRUPT")
+        print(f"step {info.step}: {'UNVERIFIABLE' if info.unverifiable else 'CORRUPT'}")
         for path, problem in (info.problems or {info.path: info.problem or "not valid"}).items():
             print(f"  {path}: {problem}")
     return 0 if all(info.valid for info in infos) else 1

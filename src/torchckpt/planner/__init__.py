@@ -7,14 +7,14 @@ Public seam: ``plan`` / ``frontier`` (profile -> solve -> Plan), ``Plan`` and it
 
 from torchckpt._host import preserved_state
 from torchckpt.planner.apply import apply_plan
-from torchckpt.planner.blocks import block_paths, find_blocks, resolve_blocks
+from torchckpt.planner.blocks import block_paths, describe_paths, find_blocks, positional_form, resolve_blocks
 from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
 from torchckpt.planner.frontier import Frontier, FrontierPoint, frontier, frontier_from_costs
 from torchckpt.planner.isolation import plan_without_side_effects
 from torchckpt.planner.make_plan import no_checkpointing_schedule, plan, plan_from_costs, resolve_budget
 from torchckpt.planner.plan import Plan, PlanMismatchError, PlannedBlock, PlannedRegion, PlanPiece, fingerprint
 from torchckpt.planner.profile import profile
-from torchckpt.planner.runner import StepRunner, default_loss
+from torchckpt.planner.runner import StepFn, StepRunner, call_model, default_loss
 from torchckpt.planner.solve import InfeasibleBudgetError
 from torchckpt.planner.verify import VerifyReport, verify_plan
 
@@ -43,8 +43,12 @@ __all__ = [
     "find_blocks",
     "resolve_blocks",
     "block_paths",
+    "describe_paths",
+    "positional_form",
     "StepRunner",
     "default_loss",
+    "call_model",
+    "StepFn",
     "BlockCosts",
     "ChainCosts",
     "OpCosts",

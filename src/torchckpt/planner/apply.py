@@ -16,6 +16,7 @@ from torch import nn
 from torchckpt.executor import CheckpointHandle, checkpoint, save_ops, wrap_forward
 from torchckpt.executor.compiled import refuse_compiled
 from torchckpt.executor.kv_cache import disable_kv_cache
+from torchckpt.planner.blocks import positional_form
 from torchckpt.planner.plan import Plan, PlannedRegion, PlanPiece
 
 __all__ = ["apply_plan", "wrap_region"]
@@ -54,7 +55,9 @@ def apply_plan(model: nn.Module, plan: Plan) -> CheckpointHandle:
             policy = save_ops(piece.keep, name=f"plan:{plan.block_paths[piece.block]}")
             wrap_forward(block, functools.partial(checkpoint, block.forward, policy=policy), wrapped)
     # Note: [KV cache off while checkpointing]
-    cache_configs = disable_kv_cache([model], while_="a plan is applied", undo="handle.remove()") if wrapped else []
+    # The profiler measured every step, the plain one too, with the cache off: so is the model under any plan,
+    # even one that recomputes nothing, or its peak would differ from the prediction.
+    cache_configs = disable_kv_cache([model], while_="a plan is applied", undo="handle.remove()")
     return CheckpointHandle(wrapped, cache_configs)
 
 
@@ -102,17 +105,19 @@ def wrap_region(piece: PlannedRegion, blocks: list[nn.Module], wrapped: list[nn.
     shape_of_output: dict[str, Any] = {}
 
     def region_forward(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = positional_form(blocks[start], args, kwargs)  # the hidden state, even if passed by keyword
         if not args:
             raise TypeError(f"a checkpointed region starting at block {start} needs the hidden state as the first "
-                            "positional argument; this model passes it by keyword, so plan without regions")
+                            "argument; this call passes none, so plan without regions (regions=False)")
         output = checkpoint(_run_pieces, piece.inner, forwards, args, kwargs)
         shape_of_output["rest"] = tuple(output[1:]) if isinstance(output, tuple) else None
         return output
 
-    def pass_through(*args: Any, last: bool = False, **kwargs: Any) -> Any:
-        rest = shape_of_output.pop("rest", None) if last else shape_of_output.get("rest")
+    def pass_through(*args: Any, index: int, **kwargs: Any) -> Any:
+        args, kwargs = positional_form(blocks[index], args, kwargs)
+        rest = shape_of_output.pop("rest", None) if index == stop - 1 else shape_of_output.get("rest")
         return args[0] if rest is None else (args[0], *rest)
 
     wrap_forward(blocks[start], region_forward, wrapped)
     for index in range(start + 1, stop):
-        wrap_forward(blocks[index], functools.partial(pass_through, last=index == stop - 1), wrapped)
+        wrap_forward(blocks[index], functools.partial(pass_through, index=index), wrapped)

@@ -1,25 +1,52 @@
-"""Find a model's repeated blocks: the longest run of same-class modules in a ModuleList/Sequential.
+"""Find a model's repeated blocks (``blocks="auto"``), and name them in messages.
 
-HF ``model.layers``, GPT-2 ``transformer.h``, BERT ``encoder.layer``, the built-in models' ``blocks``.
-Blocks of one class may differ in parameters (T5's first block also holds the relative position
-bias). Encoder-decoder models have two such containers of equal length (T5 ``encoder.block`` and
-``decoder.block``): every container whose run is as long as the longest is taken, in
-``named_modules`` order, which is their forward order in these models.
+The rule, in order (``find_blocks``):
 
-A model whose blocks are not one such run (the U-Net's down, middle and up blocks have different
-widths) names them itself: a method ``torchckpt_blocks()`` returning its blocks in forward order is
-used instead of the search.
+1. A model that names its blocks itself, with a method ``torchckpt_blocks()`` returning them in
+   forward order, gets those (the built-in U-Net).
+2. A U-Net laid out as diffusers lays them out (a module with ``down_blocks`` and ``up_blocks``
+   ModuleLists and a ``mid_block``: ``UNet2DModel``, ``UNet2DConditionModel``) gets its down blocks, its
+   mid block and its up blocks, in that order, which is the order its forward runs them. Their classes
+   differ from block to block, so the search below cannot find them.
+3. Otherwise the blocks are the instances of one class taken across every ``ModuleList`` and
+   ``Sequential`` of the model:
+
+   - a *candidate* class is one that some container holds two or more of in a row; its instances are
+     all the children of containers of that class (in every container, so a ConvNeXt or ResNet's
+     blocks are gathered from all of its stages), less those holding another of its instances (a
+     ``Sequential`` stage of ``Sequential`` blocks gives the blocks);
+   - a candidate whose instances each hold fewer than two weight layers (modules with a parameter of
+     two or more dimensions: convolutions, linear layers) and lie, some of them, inside instances of
+     another candidate is a layer of those blocks, not a block (HF ResNet's ``ResNetConvLayer`` inside
+     each ``ResNetBasicLayer``);
+   - the candidate with the most instances wins (a stage holds several blocks, so blocks outnumber
+     stages: ConvNeXt's ``ConvNextLayer``s, not its ``ConvNextStage``s); classes tied with it are taken
+     too when their instances are disjoint from its (encoder and decoder layers of two classes), and of
+     two tied classes one inside the other the outer one is kept.
+
+   Blocks come in ``named_modules`` order, which is their forward order in every model above (HF
+   ``model.layers``, GPT-2 ``transformer.h``, BERT ``encoder.layer``, T5 ``encoder.block`` then
+   ``decoder.block``, ConvNeXt/ResNet ``encoder.stages.i.layers``, torchvision ``layer1..layer4``); the
+   profiler checks it and names the blocks when a model runs them in another order. Blocks of one
+   class may differ in parameters (T5's first block also holds the relative position bias).
+
+A model the rule gets wrong (e.g. a mixture of experts, whose experts outnumber its layers) is planned
+with ``blocks=[...]`` given by hand. ``describe_paths`` is how messages name a list of blocks.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
 from torchckpt.executor.compiled import refuse_compiled
 
-__all__ = ["block_paths", "find_blocks", "resolve_blocks", "structure_key"]
+__all__ = ["block_paths", "describe_paths", "find_blocks", "positional_form", "resolve_blocks", "structure_key"]
+
+_FIRST_PARAMETER: dict[type, str | None] = {}  # a block class -> its forward's first parameter, if by-keyword-able
 
 
 def structure_key(module: nn.Module) -> tuple:
@@ -36,6 +63,61 @@ def structure_key(module: nn.Module) -> tuple:
     return (type(module).__qualname__, params, children)
 
 
+def describe_paths(paths: Sequence[str]) -> str:
+    """Block paths as messages name them: all of them when few, else the first and last and the count.
+
+    Example:
+        >>> describe_paths(["model.layers.0", "model.layers.1"])
+        'model.layers.0, model.layers.1 (2 blocks)'
+        >>> describe_paths([f"encoder.stages.{s}.layers.{i}" for s in range(4) for i in range(3)])
+        'encoder.stages.0.layers.0 … encoder.stages.3.layers.2 (12 blocks)'
+    """
+    paths = [path or "(the model itself)" for path in paths]
+    if not paths:
+        return "no blocks"
+    count = f"({len(paths)} block{'s' if len(paths) != 1 else ''})"
+    if len(paths) <= 3:
+        return f"{', '.join(paths)} {count}"
+    return f"{paths[0]} … {paths[-1]} {count}"
+
+
+def _first_parameter(cls: type[nn.Module]) -> str | None:
+    if cls not in _FIRST_PARAMETER:
+        name = None
+        try:
+            parameters = list(inspect.signature(cls.forward).parameters.values())[1:]  # after self
+        except (TypeError, ValueError):  # no readable signature: calls are taken as they come
+            parameters = []
+        if parameters and parameters[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            name = parameters[0].name
+        _FIRST_PARAMETER[cls] = name
+    return _FIRST_PARAMETER[cls]
+
+
+def positional_form(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """A block call with its first parameter passed by position: ``block(hidden_states=h, temb=e)`` reads
+    as ``block(h, temb=e)`` (the same call: the values bind to the same parameters of the class's
+    ``forward``). The profiler and regions take a block's first positional argument as its input (the
+    hidden state), so every call is read through this; calls with positional arguments are unchanged.
+
+    Example:
+        >>> class Block(nn.Module):
+        ...     def forward(self, hidden_states, temb=None):
+        ...         return hidden_states
+        >>> positional_form(Block(), (), {"temb": 2, "hidden_states": 1})
+        ((1,), {'temb': 2})
+        >>> positional_form(Block(), (1,), {"temb": 2})
+        ((1,), {'temb': 2})
+    """
+    if args or not kwargs:
+        return args, kwargs
+    first = _first_parameter(type(module))
+    if first is None or first not in kwargs:
+        return args, kwargs
+    rest = dict(kwargs)
+    return (rest.pop(first),), rest
+
+
 def _runs(children: Sequence[nn.Module]) -> list[list[nn.Module]]:
     runs: list[list[nn.Module]] = []
     for child in children:
@@ -46,16 +128,86 @@ def _runs(children: Sequence[nn.Module]) -> list[list[nn.Module]]:
     return runs
 
 
-def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
-    """Return ``(container_name, blocks)``: the longest run of same-class modules in a container (or two).
+def _inside(path: str, outer: str) -> bool:
+    return outer == "" or path.startswith(f"{outer}.")
 
-    Raises ValueError naming ``blocks=`` when no container holds two or more modules of one class.
+
+def _weight_layers(module: nn.Module) -> int:
+    return sum(1 for sub in module.modules() if any(p.dim() >= 2 for p in sub.parameters(recurse=False)))
+
+
+def _unet_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
+    """Rule 2: the first module laid out as a diffusers U-Net: down blocks, mid block, up blocks."""
+    for name, module in model.named_modules():
+        down, up = getattr(module, "down_blocks", None), getattr(module, "up_blocks", None)
+        if isinstance(down, nn.ModuleList) and isinstance(up, nn.ModuleList) and hasattr(module, "mid_block"):
+            mid = module.mid_block
+            blocks = [*down, *([mid] if isinstance(mid, nn.Module) else []), *up]
+            if len(blocks) >= 2:
+                prefix = f"{name}." if name else ""
+                parts = ["down_blocks", *(["mid_block"] if isinstance(mid, nn.Module) else []), "up_blocks"]
+                return "+".join(prefix + part for part in parts), blocks
+    return None
+
+
+def _search(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Rule 3: (path, block) in named_modules order; empty when no container holds two of one class in a row."""
+    order = {id(module): (i, name) for i, (name, module) in enumerate(model.named_modules())}
+    repeated: set[type] = set()
+    found: dict[type, dict[int, nn.Module]] = {}
+    for _, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(container.children())
+        repeated.update(type(run[0]) for run in _runs(children) if len(run) >= 2)
+        for child in children:
+            if not isinstance(child, nn.ModuleList):
+                found.setdefault(type(child), {})[id(child)] = child
+    candidates: dict[type, list[tuple[str, nn.Module]]] = {}
+    for cls in repeated - {nn.ModuleList}:
+        ranked = sorted((order[id(m)] for m in found[cls].values()), key=lambda entry: entry[0])
+        paths = [path for _, path in ranked]
+        candidates[cls] = [(path, model.get_submodule(path)) for path in paths
+                           if not any(_inside(other, path) for other in paths if other != path)]
+
+    def within(inner: type, outer: type, every: bool = True) -> bool:  # instances of `inner` inside `outer`'s
+        test = all if every else any
+        return test(any(_inside(path, other) for other, _ in candidates[outer]) for path, _ in candidates[inner])
+
+    layers = {cls for cls, found_ in candidates.items() if all(_weight_layers(m) < 2 for _, m in found_)
+              and any(within(cls, other, every=False) for other in candidates if other is not cls)}
+    kept = {cls: found_ for cls, found_ in candidates.items() if cls not in layers}
+    most = max((len(found_) for found_ in kept.values()), default=0)
+    tied = [cls for cls, found_ in kept.items() if len(found_) == most]
+    chosen = [cls for cls in tied if not any(o is not cls and within(cls, o) for o in tied)]
+    blocks = [entry for cls in chosen for entry in kept[cls]]
+    return sorted(blocks, key=lambda entry: order[id(entry[1])][0])
+
+
+def _containers(paths: Sequence[str]) -> str:
+    parents = list(dict.fromkeys(path.rpartition(".")[0] for path in paths))
+    if len(parents) <= 2:
+        return "+".join(parents)
+    return f"{parents[0]} … {parents[-1]} ({len(parents)} containers)"
+
+
+def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
+    """Return ``(where, blocks)``: the model's repeated blocks in forward order (the rule: module docstring)
+    and where they live (their containers, ``"+"``-joined, or ``"torchckpt_blocks()"``).
+
+    Raises ValueError naming ``blocks=`` when the model has no repeated blocks by that rule.
 
     Example:
         >>> from torchckpt.models import gpt
         >>> name, blocks = find_blocks(gpt("tiny"))
         >>> name, len(blocks)
         ('blocks', 2)
+        >>> def block() -> nn.Module:
+        ...     return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        >>> staged = nn.Sequential(nn.Linear(4, 4), nn.Sequential(block(), block()), nn.Sequential(block(), block()))
+        >>> name, blocks = find_blocks(staged)
+        >>> name, len(blocks)
+        ('1+2', 4)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"find_blocks: expected an nn.Module; got {type(model).__name__}")
@@ -65,25 +217,16 @@ def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
         if not blocks or not all(isinstance(block, nn.Module) for block in blocks):
             raise ValueError(f"{type(model).__name__}.torchckpt_blocks() must return a non-empty list of modules")
         return "torchckpt_blocks()", blocks
-    found: list[tuple[str, list[nn.Module]]] = []  # the longest run of each container
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            runs = _runs(list(module.children()))
-            if runs:
-                found.append((name, max(runs, key=len)))
-    longest = max((len(run) for _, run in found), default=0)
-    chosen: list[tuple[str, list[nn.Module]]] = []
-    for name, run in found:
-        inside_chosen = any(name.startswith(f"{other}.") for other, _ in chosen)
-        if len(run) == longest and not inside_chosen:
-            chosen.append((name, run))
-    best = ("+".join(name for name, _ in chosen), [block for _, run in chosen for block in run])
-    if longest < 2:
+    unet = _unet_blocks(model)
+    if unet is not None:
+        return unet
+    found = _search(model)
+    if not found:
         raise ValueError(
             f"{type(model).__name__} has no ModuleList or Sequential holding two or more modules of one class, so "
             "torchckpt cannot find its repeated blocks; pass them explicitly, e.g. "
             "torchckpt.plan(model, inputs, budget='6GiB', blocks=list(model.encoder.layers))")
-    return best
+    return _containers([path for path, _ in found]), [block for _, block in found]
 
 
 def _refuse_wrapped(model: nn.Module) -> None:

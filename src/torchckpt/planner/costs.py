@@ -6,7 +6,7 @@ All sizes are bytes (ints), all times seconds (floats).
 The peak model the solver evaluates (named so that solver, profiler and tests can point at it):
 
 1. **[fixed bytes plus a chain]** A model is ``fixed_bytes`` (parameters, gradients, optimizer state,
-   the batch, activations outside the blocks that live through the backward pass, and the profiler's
+   the batch, and activations outside the blocks that live through the backward pass, as measured: no
    headroom) plus a chain of blocks ``0..n-1``.
    Block ``i`` reads ``x_i = blocks[i].input_bytes`` and produces ``y_i = blocks[i].output_bytes``
    (``y_i == x_{i+1}``). The gradient of a tensor has the tensor's size.
@@ -63,6 +63,23 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
 7. **[predicted peak is the maximum]** The predicted peak is the maximum of [forward-end peak],
    [backward peak] and [forward peak] over the plan; extra time is the sum of recompute times: a
    checkpointed block's option time, a region's forward time plus its inside's extra time.
+8. **[measured schedules are predicted as measured]** Two schedules are measured when profiling: no
+   checkpointing, which the rules above predict exactly by construction (the profiler's residues are
+   fitted to that step), and every block checkpointed keeping nothing (what
+   ``gradient_checkpointing_enable()`` does), whose measured peak is ``every_block_peak_bytes`` (0: not
+   measured). The evaluator returns that figure for exactly that schedule, whatever rules 3-7 give
+   (they over-count it slightly where ``recompute_peak_bytes`` is clamped at 0; the profiler's
+   ``notes["every_block_peak"]`` shows both figures). Times are calibrated on that schedule too: block
+   forward times (and so op times) are scaled by one factor so that its predicted extra time equals
+   ``every_block_step_time_s - step_time_s``, both measured on one bare training step each (no meter,
+   no hooks); ``notes["recompute_time_scale"]`` records the factor (1, uncalibrated, when timing noise
+   made the checkpointed step no slower). ``step_time_s`` is the bare plain step. Only the peak of
+   these two schedules and the extra time of the second are calibrated; every other plan's peak and
+   time are predictions of rules 3-7 on those figures.
+9. **[a margin only where a plan was not measured]** A plan is accepted for a budget when its predicted
+   peak plus its margin is within the budget: 0 for the two measured schedules, ``margin_bytes`` (the
+   profiler's suggestion: 64 KiB plus 0.5% of the plain step's activation bytes, ``profile.HEADROOM_*``;
+   or what the caller asks for, ``make_plan.resolve_margin``) for every other schedule.
 """
 
 from __future__ import annotations
@@ -70,6 +87,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # never at run time: this module does not import torch
+    from torchckpt.planner.plan import Plan
 
 __all__ = ["OpCosts", "BlockCosts", "ChainCosts"]
 
@@ -134,9 +155,17 @@ class BlockCosts:
 class ChainCosts:
     """The whole cost model: fixed bytes, the head's transient, and the chain of blocks.
 
+    Besides the terms of the peak model: ``step_time_s`` (a bare plain training step, seconds);
+    ``every_block_peak_bytes`` and ``every_block_step_time_s`` (the measured peak and step time with
+    every block checkpointed keeping nothing; 0 when not measured, see [measured schedules are predicted
+    as measured]); ``margin_bytes`` (the margin ``margin="auto"`` gives plans that were not measured,
+    [a margin only where a plan was not measured]); ``block_paths`` and ``fingerprint`` (the model's
+    block module paths and ``plan.fingerprint``, recorded by ``profile`` so that :meth:`plan` can make
+    plans from these costs alone).
+
     Example:
         >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
-        >>> costs = ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block, block))
+        >>> costs = ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block, block), block_paths=("0", "1"))
         >>> ChainCosts.from_json(costs.to_json()) == costs
         True
     """
@@ -148,10 +177,25 @@ class ChainCosts:
     step_time_s: float = 0.0
     chain: bool = True
     notes: dict[str, str] = field(default_factory=dict)
+    every_block_peak_bytes: int = 0
+    every_block_step_time_s: float = 0.0
+    margin_bytes: int = 0
+    block_paths: tuple[str, ...] = ()
+    fingerprint: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_non_negative("ChainCosts", fixed_bytes=self.fixed_bytes, head_bytes=self.head_bytes,
-                            region_recompute_bytes=self.region_recompute_bytes, step_time_s=self.step_time_s)
+                            region_recompute_bytes=self.region_recompute_bytes, step_time_s=self.step_time_s,
+                            every_block_peak_bytes=self.every_block_peak_bytes,
+                            every_block_step_time_s=self.every_block_step_time_s, margin_bytes=self.margin_bytes)
+        for name in ("every_block_peak_bytes", "margin_bytes"):
+            if not isinstance(getattr(self, name), int):
+                raise ValueError(f"ChainCosts.{name} must be an int number of bytes; got {getattr(self, name)!r}")
+        paths = tuple(self.block_paths)
+        if not all(isinstance(path, str) for path in paths):
+            raise ValueError(f"ChainCosts.block_paths must be strings (module paths); got {self.block_paths!r}")
+        if not isinstance(self.fingerprint, dict):
+            raise ValueError(f"ChainCosts.fingerprint must be a dict (plan.fingerprint); got {self.fingerprint!r}")
         blocks = tuple(b if isinstance(b, BlockCosts) else BlockCosts(**b) for b in self.blocks)
         if not blocks:
             raise ValueError("ChainCosts.blocks is empty: a cost model needs at least one block")
@@ -162,7 +206,30 @@ class ChainCosts:
                 raise ValueError(f"ChainCosts: block {before.name!r} outputs {before.output_bytes} bytes but the next "
                                  f"block {after.name!r} reads {after.input_bytes}; blocks must form a chain "
                                  "(or pass chain=False: then regions are not allowed)")
+        if paths and len(paths) != len(blocks):
+            raise ValueError(f"ChainCosts.block_paths names {len(paths)} blocks but there are {len(blocks)}")
         object.__setattr__(self, "blocks", blocks)
+        object.__setattr__(self, "block_paths", paths)
+
+    def plan(self, budget: int | str, *, margin: int | float | str = "auto", regions: bool = True) -> Plan:
+        """The plan with the least predicted recompute time within ``budget``, from these costs alone: one
+        ``profile`` serves any number of budgets (``plan`` profiles again each time).
+
+        ``budget``, ``margin`` and ``regions`` are those of ``torchckpt.plan``; the plan names the blocks by
+        ``block_paths`` (block names when empty) and carries ``fingerprint``. Raises
+        ``InfeasibleBudgetError`` below the floor, ValueError/TypeError for a malformed budget or margin.
+
+        Example:
+            >>> block = BlockCosts(name="b", input_bytes=10, output_bytes=10, saved_bytes=30, forward_time_s=0.1)
+            >>> costs = ChainCosts(fixed_bytes=100, head_bytes=0, blocks=(block, block), block_paths=("0", "1"))
+            >>> [costs.plan(budget).predicted_extra_time_s for budget in ("100%", 170)]
+            [0.0, 0.1]
+        """
+        from torchckpt.planner.make_plan import plan_from_costs  # lazily: make_plan imports torch
+
+        paths = self.block_paths or tuple(block.name for block in self.blocks)
+        return plan_from_costs(self, budget, block_paths=paths, model_fingerprint=dict(self.fingerprint),
+                               margin=margin, regions=regions)
 
     def to_json(self) -> str:
         """Serialise to JSON (the round trip is exact)."""

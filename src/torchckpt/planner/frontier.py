@@ -20,9 +20,10 @@ from torchckpt._units import format_bytes
 from torchckpt.planner import solve as solver
 from torchckpt.planner.blocks import block_paths, resolve_blocks
 from torchckpt.planner.costs import ChainCosts
-from torchckpt.planner.make_plan import no_checkpointing_schedule, plan_from_costs, regions_note
+from torchckpt.planner.make_plan import no_checkpointing_schedule, plan_from_costs, regions_note, resolve_margin
 from torchckpt.planner.plan import Plan, fingerprint
 from torchckpt.planner.profile import profile
+from torchckpt.planner.runner import StepFn
 
 __all__ = ["Frontier", "FrontierPoint", "frontier", "frontier_from_costs", "reference_schedules"]
 
@@ -59,8 +60,10 @@ class Frontier:
 
     def plot(self, path: str | Path) -> Path:
         """Write a PNG: peak memory (x) against extra time (y); torchckpt as a line, references as points."""
-        import matplotlib
-
+        try:
+            import matplotlib
+        except ImportError:
+            raise ImportError("plots need matplotlib: pip install torchckpt[train]") from None
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
@@ -112,9 +115,11 @@ def reference_schedules(costs: ChainCosts) -> dict[str, tuple]:
 
 
 def frontier_from_costs(costs: ChainCosts, *, points: int = 12, block_paths: Sequence[str] = (),
-                        model_fingerprint: dict[str, Any] | None = None, regions: bool = True) -> Frontier:
+                        model_fingerprint: dict[str, Any] | None = None, regions: bool = True,
+                        margin: int | float | str = "auto") -> Frontier:
     """Solve ``points`` budgets spaced evenly from the floor to the no-checkpointing peak (``regions=False``:
-    plans of single blocks only, see ``plan_from_costs``).
+    plans of single blocks only; ``margin``: kept by plans the profiler did not measure; see
+    ``plan_from_costs``). ``block_paths`` and ``model_fingerprint`` default to the ones ``costs`` records.
 
     Example:
         >>> from torchckpt.planner.costs import BlockCosts
@@ -128,14 +133,16 @@ def frontier_from_costs(costs: ChainCosts, *, points: int = 12, block_paths: Seq
     references = tuple(FrontierPoint(label=label, peak_bytes=int(peak), extra_time_s=float(extra))
                        for label, (peak, extra) in ((label, solver.evaluate(costs, schedule))
                                                     for label, schedule in reference_schedules(costs).items()))
-    floor = solver.floor_bytes(costs, allow_regions=regions_note(costs, regions) is None)
     top = max(r.peak_bytes for r in references if r.label == "no checkpointing")
-    paths = list(block_paths) or [block.name for block in costs.blocks]
+    margin_bytes = resolve_margin(margin, costs, top)
+    floor = solver.floor_bytes(costs, allow_regions=regions_note(costs, regions) is None, margin_bytes=margin_bytes)
+    paths = list(block_paths) or list(costs.block_paths) or [block.name for block in costs.blocks]
     found: dict[tuple[int, float], FrontierPoint] = {}
     for k in range(points):
         budget = int(floor + (top - floor) * k / (points - 1))
-        made = plan_from_costs(costs, max(budget, floor), block_paths=paths, model_fingerprint=model_fingerprint or {},
-                               regions=regions)
+        made = plan_from_costs(costs, max(budget, floor), block_paths=paths,
+                               model_fingerprint=model_fingerprint or dict(costs.fingerprint), regions=regions,
+                               margin=margin_bytes)
         key = (made.predicted_peak_bytes, round(made.predicted_extra_time_s, 12))
         found.setdefault(key, FrontierPoint(label=f"torchckpt @ {format_bytes(made.budget_bytes)}",
                                             peak_bytes=made.predicted_peak_bytes,
@@ -148,9 +155,11 @@ def frontier_from_costs(costs: ChainCosts, *, points: int = 12, block_paths: Seq
 
 def frontier(model: nn.Module, example_inputs: tuple | dict, *, points: int = 12,
              loss_fn: Callable[[Any], torch.Tensor] | None = None, optimizer: torch.optim.Optimizer | None = None,
-             blocks: str | Sequence[nn.Module] = "auto", regions: bool = True) -> Frontier:
+             blocks: str | Sequence[nn.Module] = "auto", regions: bool = True,
+             step_fn: StepFn | None = None) -> Frontier:
     """Profile once, then solve a sweep of budgets: the memory/time trade-off of ``model``
-    (``regions=False``: plans of single blocks only).
+    (``regions=False``: plans of single blocks only; ``step_fn``: profile the user's own forward and
+    backward, as in ``plan``).
 
     Example:
         >>> from torchckpt.models import gpt
@@ -161,6 +170,7 @@ def frontier(model: nn.Module, example_inputs: tuple | dict, *, points: int = 12
     """
     block_list = resolve_blocks(model, blocks)
     paths = block_paths(model, block_list)
-    costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=block_list, regions=regions)
+    costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=block_list, regions=regions,
+                    step_fn=step_fn)
     return frontier_from_costs(costs, points=points, block_paths=paths,
                                model_fingerprint=fingerprint(model, example_inputs, paths), regions=regions)

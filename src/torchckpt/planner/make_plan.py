@@ -17,10 +17,13 @@ from torchckpt._units import parse_bytes, parse_percent
 from torchckpt.planner import solve as solver
 from torchckpt.planner.blocks import block_paths, resolve_blocks
 from torchckpt.planner.costs import ChainCosts
+from torchckpt.planner.infeasible import with_paths
 from torchckpt.planner.plan import Plan, PlannedBlock, PlannedRegion, PlanPiece, fingerprint
 from torchckpt.planner.profile import profile
+from torchckpt.planner.runner import StepFn
 
-__all__ = ["no_checkpointing_schedule", "plan", "plan_from_costs", "plan_pieces", "regions_note", "resolve_budget"]
+__all__ = ["no_checkpointing_schedule", "plan", "plan_from_costs", "plan_pieces", "regions_note", "resolve_budget",
+           "resolve_margin"]
 
 
 def no_checkpointing_schedule(costs: ChainCosts) -> tuple:
@@ -90,9 +93,65 @@ def regions_note(costs: ChainCosts, regions: bool = True) -> str | None:
     return None
 
 
+def _margin_spec(margin: object) -> tuple[str, float]:
+    """("auto", 0), ("bytes", n) or ("share", f) for a margin; raises naming the forms allowed."""
+    forms = ("margin must be 'auto', an int number of bytes >= 0, a size string like '64KiB', or a share of the "
+             "budget in [0, 1) as a float (0.01) or a percentage ('1%')")
+    if isinstance(margin, str) and margin.strip() == "auto":
+        return "auto", 0.0
+    if isinstance(margin, bool) or not isinstance(margin, (int, float, str)):
+        raise TypeError(f"{forms}; got {margin!r}")
+    if isinstance(margin, str) and margin.strip().endswith("%"):
+        try:
+            share = float(margin.strip()[:-1]) / 100
+        except ValueError:
+            raise ValueError(f"{forms}; got {margin!r}") from None
+    elif isinstance(margin, float):
+        share = margin
+    elif isinstance(margin, int):
+        if margin < 0:
+            raise ValueError(f"{forms}; got {margin!r}")
+        return "bytes", float(margin)
+    else:
+        try:
+            return "bytes", float(parse_bytes(margin, option="margin"))
+        except ValueError as error:
+            raise ValueError(f"{forms}; got {margin!r} ({error})") from None
+    if not 0 <= share < 1:  # also refuses nan
+        raise ValueError(f"{forms}; got {margin!r}")
+    return "share", share
+
+
+def resolve_margin(margin: int | float | str, costs: ChainCosts, budget_bytes: int) -> int:
+    """The margin in bytes that plans the profiler did not measure keep below ``budget_bytes``.
+
+    ``"auto"`` (the default of ``plan``) is ``costs.margin_bytes``: what the profiler suggests, 64 KiB plus
+    0.5% of the plain step's activation bytes (``profile.HEADROOM_*``; 0 for cost models that record
+    none). An int or a size string is bytes; a float in [0, 1) or a percentage is a share of the budget.
+    The two schedules the profiler measured (no checkpointing; every block checkpointed) get no margin.
+
+    Example:
+        >>> from torchckpt.planner.costs import BlockCosts
+        >>> block = BlockCosts(name="b", input_bytes=10, output_bytes=10, saved_bytes=30, forward_time_s=0.1)
+        >>> costs = ChainCosts(fixed_bytes=100, head_bytes=0, blocks=(block,), margin_bytes=64)
+        >>> [resolve_margin(m, costs, 1000) for m in ("auto", 0, "1KiB", 0.02, "5%")]
+        [64, 0, 1024, 20, 50]
+    """
+    kind, value = _margin_spec(margin)
+    if kind == "auto":
+        return costs.margin_bytes
+    return int(value) if kind == "bytes" else int(value * budget_bytes)
+
+
 def plan_from_costs(costs: ChainCosts, budget: int | str, *, block_paths: Sequence[str],
-                    model_fingerprint: dict[str, Any], regions: bool = True) -> Plan:
+                    model_fingerprint: dict[str, Any], regions: bool = True,
+                    margin: int | float | str = "auto") -> Plan:
     """Solve an already measured cost model for ``budget`` (used by plan() and frontier sweeps).
+
+    The plan is the one with the least predicted extra time whose predicted peak plus its margin fits:
+    ``margin`` (see ``resolve_margin``; ``"auto"`` by default) for plans the profiler did not measure, none
+    for the two it measured (costs.py's [a margin only where a plan was not measured]). The margin applied
+    is recorded in ``reference["margin_bytes"]``.
 
     ``regions=False`` plans single blocks only (no regions), as do costs whose ``chain`` is False or
     that were profiled with ``regions=False``; the plan's ``notes["regions"]`` then says why.
@@ -104,30 +163,52 @@ def plan_from_costs(costs: ChainCosts, budget: int | str, *, block_paths: Sequen
         >>> plan_from_costs(costs, "100%", block_paths=["0", "1"], model_fingerprint={}).predicted_extra_time_s
         0.0
     """
+    _margin_spec(margin)  # a malformed margin fails before the budget is looked at
     budget_bytes = resolve_budget(budget, costs)
+    margin_bytes = resolve_margin(margin, costs, budget_bytes)
     no_regions = regions_note(costs, regions)
-    solution = solver.solve(costs, budget_bytes, allow_regions=no_regions is None)
+    try:
+        solution = solver.solve(costs, budget_bytes, allow_regions=no_regions is None, margin_bytes=margin_bytes)
+    except solver.InfeasibleBudgetError as error:  # told again with the paths and the plain peak
+        plain, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
+        raise with_paths(error, block_paths, int(plain)) from None
     menus = [solver.block_menu(block) for block in costs.blocks]
     plain_peak, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
+    applied = solver.schedule_margin_bytes(costs, solution.schedule, margin_bytes)
     return Plan(budget_bytes=budget_bytes, predicted_peak_bytes=int(solution.predicted_peak_bytes),
                 predicted_extra_time_s=float(solution.extra_time_s),
                 schedule=plan_pieces(solution.schedule, menus), block_paths=tuple(block_paths),
                 fingerprint=model_fingerprint,
-                reference={"no_checkpointing_peak_bytes": float(plain_peak), "step_time_s": costs.step_time_s},
+                reference={"no_checkpointing_peak_bytes": float(plain_peak), "step_time_s": costs.step_time_s,
+                           "margin_bytes": float(applied)},
                 notes={} if no_regions is None or len(costs.blocks) < 2 else {"regions": no_regions})
 
 
 def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, optimizer: torch.optim.Optimizer | None = None,
-         blocks: str | Sequence[nn.Module] = "auto", regions: bool = True) -> Plan:
+         blocks: str | Sequence[nn.Module] = "auto", regions: bool = True, step_fn: StepFn | None = None,
+         margin: int | float | str = "auto") -> Plan:
     """Measure ``model`` and return the plan with the least predicted recompute time within ``budget``.
+
+    The budget covers the whole step as the profiler runs it: by default ``loss = (loss_fn or
+    default_loss)(model(*inputs))``, the output deleted before ``loss.backward()``. A loop that keeps the
+    output (the logits) through backward peaks that much higher: pass it as ``step_fn(model,
+    example_inputs)``, which runs the forward, calls ``backward()`` itself and returns the loss
+    (``runner.StepRunner``; not together with ``loss_fn``), and the plan is made for that loop.
 
     ``regions=False`` plans single blocks only (no blocks checkpointed together as a region); plans have
     no regions either when the profiler cannot prove that a region computes exactly what the model does
     (``Plan.notes["regions"]`` says why).
 
+    ``margin`` is kept below the budget by plans the profiler did not measure (``resolve_margin``):
+    ``"auto"`` (64 KiB plus 0.5% of the plain step's activations), bytes, or a share of the budget. No
+    checkpointing and every block checkpointed (``gradient_checkpointing_enable()``) are measured, so
+    they need none: a budget equal to the measured peak of checkpointing every block is always feasible.
+
     Raises ``InfeasibleBudgetError`` (a ValueError) naming the smallest feasible peak and its parts when
-    the budget is below the floor; a malformed budget is refused before anything is measured. The model,
+    the budget is below the floor; a malformed budget or margin is refused before anything is measured.
+    To plan several budgets from one measurement, ``torchckpt.profile(...)`` then
+    ``ChainCosts.plan(budget)``. The model,
     ``optimizer`` and RNG streams are left exactly as they were (Note: [planning changes nothing]).
 
     Example:
@@ -140,9 +221,11 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     """
     if parse_percent(budget, option="budget") is None:  # a bad budget fails before minutes of profiling
         parse_bytes(budget, option="budget")
+    _margin_spec(margin)
     block_list = resolve_blocks(model, blocks)
     paths = block_paths(model, block_list)
-    costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=block_list, regions=regions)
+    costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=block_list, regions=regions,
+                    step_fn=step_fn)
     return plan_from_costs(costs, budget, block_paths=paths,
-                           model_fingerprint=fingerprint(model, example_inputs, paths), regions=regions)
+                           model_fingerprint=fingerprint(model, example_inputs, paths), regions=regions, margin=margin)
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from torchckpt._units import check_index, format_bytes
-from torchckpt.planner.blocks import structure_key
+from torchckpt.planner.blocks import describe_paths, structure_key
 
 __all__ = ["Plan", "PlanMismatchError", "PlanPiece", "PlannedBlock", "PlannedRegion", "fingerprint",
            "iter_blocks"]
@@ -206,11 +206,21 @@ class Plan:
         return rows
 
     def table(self) -> str:
-        """The plan as a table: per block its decision and region, then the predictions."""
-        lines = [f"{'block':<6} {'module':<28} {'decision':<28} region"]
+        """The plan as a table: the blocks planned (``describe_paths``), per block its module path, decision
+        and region, then the predictions.
+
+        Example:
+            >>> plan = Plan(budget_bytes=1, predicted_peak_bytes=1, predicted_extra_time_s=0.0,
+            ...             schedule=(PlannedBlock(block=0, plain=True),), block_paths=("blocks.0",), fingerprint={})
+            >>> plan.table().splitlines()[0]
+            'blocks: blocks.0 (1 block)'
+        """
+        width = max([28, *(len(path) for path in self.block_paths)])
+        lines = [f"blocks: {describe_paths(self.block_paths)}",
+                 f"{'block':<6} {'module':<{width}} {'decision':<28} region"]
         for row in self.decisions():
             region = f"blocks {row['region'][0]}-{row['region'][1] - 1} recomputed together" if row["region"] else ""
-            lines.append(f"{row['block']:<6} {row['path']:<28} {row['decision']:<28} {region}")
+            lines.append(f"{row['block']:<6} {row['path']:<{width}} {row['decision']:<28} {region}".rstrip())
         lines.append(f"budget {format_bytes(self.budget_bytes)}; "
                      f"predicted peak {format_bytes(self.predicted_peak_bytes)}; "
                      f"predicted extra time {self.predicted_extra_time_s * 1e3:.1f} ms per step")

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 from torchckpt.executor.checkpoint import can_keep
 from torchckpt.executor.policies import TAG_STATE, op_name
 from torchckpt.memory import MemoryMeter
-from torchckpt.planner.blocks import structure_key
+from torchckpt.planner.blocks import block_paths, describe_paths, positional_form, structure_key
 from torchckpt.planner.runner import StepRunner
 
 __all__ = ["Probe", "block_times", "measure_step"]
@@ -225,6 +225,7 @@ class Probe:
 
     def _pre(self, i: int) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            args, kwargs = positional_form(module, args, kwargs)  # the input is the first positional argument
             trace = self.traces[i]
             trace.calls += 1
             trace.order = sum(t.calls for t in self.traces)
@@ -359,16 +360,27 @@ def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bo
             if recorder is not None and recorder.block is not None:  # a block raised mid-forward
                 TAG_STATE.active_regions -= 1
         probe.finish()
+    paths = _paths_or_names(runner.model, blocks)
     for i, trace in enumerate(probe.traces):
         if trace.calls != 1:
-            raise ValueError(f"block {i} ({type(blocks[i]).__name__}) ran {trace.calls} times in one training step; "
-                             "torchckpt plans blocks that run exactly once per step (pass blocks=[...] to choose)")
+            raise ValueError(f"block {i} ({paths[i]}, {type(blocks[i]).__name__}) ran {trace.calls} times in one "
+                             f"training step; torchckpt plans blocks that run exactly once per step, and the blocks "
+                             f"were {describe_paths(paths)} (pass blocks=[...] to choose others)")
     orders = [trace.order for trace in probe.traces]
     if orders != sorted(orders):
         ran = sorted(range(len(orders)), key=orders.__getitem__)
-        raise ValueError(f"the blocks ran in the order {ran}, not in the order given; torchckpt needs the blocks in "
-                         "forward order (blocks='auto' may have joined two unrelated lists: pass blocks=[...])")
+        order = ", ".join(paths[k] for k in ran)
+        raise ValueError(f"the blocks {describe_paths(paths)} ran in the order {ran} ({order}), not in the order "
+                         "given; torchckpt needs the blocks in forward order: pass them in the order they run, "
+                         "blocks=[...] (blocks='auto' lists them in named_modules order)")
     return probe
+
+
+def _paths_or_names(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:
+    try:
+        return block_paths(model, blocks)
+    except ValueError:  # not submodules of the model run (measure_step called by hand): their classes
+        return [type(block).__name__ for block in blocks]
 
 
 def block_times(blocks: Sequence[nn.Module], *probes: Probe) -> list[float]:

@@ -9,16 +9,19 @@ How each figure of ``costs.py`` is obtained (the names of that module's rules in
    checkpointed (keep nothing), which is also the warm-up (the optimizer's state is created after it, so
    its figures are taken relative to its own ``fixed``), then one plain. Hooks mark each block's forward
    (pre/post hooks) and backward (a gradient hook on the block's output marks its start, one on its input
-   its end); the meter's peak is read between marks.
+   its end); the meter's peak is read between marks. The first step's peak at the marks, on the plain
+   step's ``fixed``, is ``every_block_peak_bytes`` (costs.py's [measured schedules are predicted as
+   measured]). Then two bare steps (no meter, no hooks, no recorder) are timed: a plain one
+   (``step_time_s``) and one with every block checkpointed (``every_block_step_time_s``).
 2. **[byte figures from block marks]** ``fixed_bytes`` is what is live when block 0 starts, minus block
-   0's input, plus a headroom; ``saved_bytes`` is what a
-   block's forward leaves behind minus its output [what a piece holds]; ``input_held_when_plain`` is
-   whether the block's input storage (watched through a weak reference) is still alive when the block's
-   backward pass begins in the plain step [what a piece holds]; ``freed_side_input_bytes`` is, of the
-   block's other tensor inputs (positional and keyword, each storage once, the first input's storage
-   excluded), the bytes of those whose storage is dead at that moment [what a piece holds]; ``head_bytes``
-   is the peak between the last block's forward and the first block backward, above fixed and everything
-   the blocks hold [forward-end peak].
+   0's input, as measured (no headroom: the margin of plans not measured is ``margin_bytes``, see
+   ``HEADROOM_*``); ``saved_bytes`` is what a block's forward leaves behind minus its output [what a
+   piece holds]; ``input_held_when_plain`` is whether the block's input storage (watched through a weak
+   reference) is still alive when the block's backward pass begins in the plain step [what a piece
+   holds]; ``freed_side_input_bytes`` is, of the block's other tensor inputs (positional and keyword,
+   each storage once, the first input's storage excluded), the bytes of those whose storage is dead at
+   that moment [what a piece holds]; ``head_bytes`` is the peak between the last block's forward and the
+   first block backward, above fixed and everything the blocks hold [forward-end peak].
 3. **[the plain plan is predicted exactly]** ``backward_peak_bytes`` and ``forward_peak_bytes`` are the
    measured peaks minus what [backward peak] and [forward peak] already count, so the all-plain plan is
    predicted exactly; they absorb what the model does not name (parameter gradients created so far, the
@@ -33,9 +36,11 @@ How each figure of ``costs.py`` is obtained (the names of that module's rules in
    selective plans by its output per block (2.16 MB per block on gpt("mini") at 16 x 256 tokens) and
    under-predicted their recompute time. Op times are measured with the recorder on and scaled so that
    they sum to the block's forward time: the lesser of its two hook-timed forwards, then the median over
-   structurally equal blocks with equal input shapes. The step time is the checkpointed step's less its
-   blocks' forwards (an estimate: no extra plain step runs, which keeps profiling within five training
-   steps).
+   structurally equal blocks with equal input shapes, then scaled by one factor for all blocks
+   (``notes["recompute_time_scale"]``) so that the every-block schedule's predicted extra time, the sum
+   of the forwards, equals the measured ``every_block_step_time_s - step_time_s`` (hooks, the meter and
+   the recorder slow the marked steps down, and the first step also warms up). Profiling runs five
+   training steps at most (the fifth, a region, measures ``region_recompute_bytes``).
 5. **[a region must be exact]** A region (``apply.wrap_region``) runs its blocks from its first block's
    arguments, passing each the previous one's hidden state (the output, or its first item when a tuple),
    and its other blocks return the region's output: its hidden state, and the other items of the last
@@ -61,26 +66,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchckpt._host import preserved_state
+from torchckpt._host import paused_gc, preserved_state
 from torchckpt.executor import CheckpointHandle, checkpoint_modules
 from torchckpt.executor.kv_cache import kv_cache_off
 from torchckpt.memory import MemoryMeter
 from torchckpt.planner import solve as solver
 from torchckpt.planner.apply import wrap_region
-from torchckpt.planner.blocks import resolve_blocks
+from torchckpt.planner.blocks import block_paths, resolve_blocks
 from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
-from torchckpt.planner.plan import PlannedBlock, PlannedRegion
+from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
 from torchckpt.planner.probe import Probe, block_times, measure_step
-from torchckpt.planner.runner import StepRunner
+from torchckpt.planner.runner import StepFn, StepRunner
 
 __all__ = ["profile", "HEADROOM_BYTES", "HEADROOM_FRACTION"]
 
 HEADROOM_BYTES = 64 * 1024
 HEADROOM_FRACTION = 0.005
-"""Added to ``fixed_bytes``: 64 KiB plus 0.5% of the no-checkpointing step's activation bytes. Small
+"""``ChainCosts.margin_bytes`` (what ``margin="auto"`` keeps): 64 KiB plus 0.5% of the no-checkpointing
+step's activation bytes, kept below the budget by every plan the profiler did not measure. Small
 tensors that live in one step and not another move a measured peak by a few hundred bytes, and some
 selective plans on HF Llama measured up to 64 KiB above their prediction (2 hidden states of that
-test model); plans keep this room so that a plan at its budget still measures within it."""
+test model). The two measured schedules (no checkpointing, every block checkpointed) keep none:
+``fixed_bytes`` is the measured figure, without headroom."""
 
 _log = logging.getLogger("torchckpt")
 def profile(
@@ -92,18 +99,26 @@ def profile(
     blocks: str | Sequence[nn.Module] = "auto",
     progress: Callable[[str], None] | None = None,
     regions: bool = True,
+    step_fn: StepFn | None = None,
 ) -> ChainCosts:
     """Measure ``model`` on ``example_inputs`` and return its cost model.
 
-    Runs three training steps, all under the meter: every block checkpointed (keep nothing), which also
-    warms up (with ``optimizer`` it is followed by a real optimizer step, so its state exists as it will
-    in training); a plain step with the op recorder; and, when the blocks form a chain, one with a
-    region of blocks to calibrate ``region_recompute_bytes``. Block forward times come from the hooks of
-    the first two. Afterwards the model (parameters, buffers, gradients, modes), the optimizer's state and
-    the RNG streams are exactly as they were (Note: [planning changes nothing]). ``progress``, if given,
-    is called with a short description before each step (for a display). ``regions=False`` skips the
-    third step and marks the costs (``notes["regions"]``) so that no plan made from them has regions;
-    plans have none either when the profiler cannot prove a region exact (``notes["chain"]`` says why).
+    Runs at most five training steps: under the meter, every block checkpointed (keep nothing), which
+    also warms up (with ``optimizer`` it is followed by a real optimizer step, so its state exists as it
+    will in training), and a plain step with the op recorder; then, bare (no meter, no hooks), a plain
+    step and one with every block checkpointed, timed (``step_time_s``, ``every_block_step_time_s``);
+    and, when the blocks form a chain, one with a region of blocks under the meter to calibrate
+    ``region_recompute_bytes``. Block forward times come from the hooks of the first two, scaled so that
+    checkpointing every block is predicted to cost what it measured (costs.py's [measured schedules are
+    predicted as measured]). The costs record the block paths and the model's fingerprint, so
+    ``costs.plan(budget)`` plans any number of budgets from this one measurement. Afterwards the model
+    (parameters, buffers, gradients, modes), the optimizer's state and the RNG streams are exactly as
+    they were (Note: [planning changes nothing]). ``progress``, if given, is called with a short
+    description before each step (for a display). ``regions=False`` skips the region step and marks the
+    costs (``notes["regions"]``) so that no plan made from them has regions; plans have none either when
+    the profiler cannot prove a region exact (``notes["chain"]`` says why).
+    ``step_fn(model, example_inputs)``, instead of ``loss_fn``, runs the user's own forward and backward
+    (``runner.StepRunner``), so the steps measure what that loop holds (the logits, say).
 
     Example:
         >>> from torchckpt.models import gpt
@@ -113,8 +128,8 @@ def profile(
         (2, 8192)
     """
     block_list = resolve_blocks(model, blocks)
-    runner = StepRunner(model, example_inputs, loss_fn, optimizer)
-    with preserved_state(model, optimizer), kv_cache_off([model], while_="profiling"):
+    runner = StepRunner(model, example_inputs, loss_fn, optimizer, step_fn=step_fn)
+    with preserved_state(model, optimizer), kv_cache_off([model], while_="profiling"), paused_gc():
         runner.clear_grads()  # the user's gradients come back afterwards; they are not part of the step
         return _measure_costs(runner, block_list, progress, regions)
 
@@ -123,24 +138,39 @@ def _measure_costs(runner: StepRunner, block_list: list[nn.Module],
                    progress: Callable[[str], None] | None, regions: bool = True) -> ChainCosts:
     say = progress or (lambda message: None)
     say(f"profiling step 1: {len(block_list)} blocks, every block recomputed")
-    start = time.perf_counter()
     with checkpoint_modules(block_list, policy="nothing_saveable"):
         recomputed = measure_step(runner, block_list, record_ops=False)
-    recomputed_step_s = time.perf_counter() - start
     runner.optimizer_step()
     say("profiling step 2: no checkpointing, recording every op")
     plain = measure_step(runner, block_list, record_ops=True)
     runner.clear_grads()
+    say("profiling steps 3-4: timing a plain step and one with every block recomputed (no meter, no hooks)")
+    plain_step_s = _timed_step(runner)
+    with checkpoint_modules(block_list, policy="nothing_saveable"):
+        every_block_step_s = _timed_step(runner)
     times = block_times(block_list, recomputed, plain)
-    # The checkpointed step ran every block's forward twice; without the recomputation it is a plain step.
-    step_time_s = max(recomputed_step_s - sum(times), sum(times))
-    costs = _assemble(plain, recomputed, times, step_time_s, [type(b).__name__ for b in block_list])
+    costs = _assemble(plain, recomputed, times, (plain_step_s, every_block_step_s),
+                      [type(b).__name__ for b in block_list])
+    paths = tuple(block_paths(runner.model, block_list))
+    costs = replace(costs, block_paths=paths, fingerprint=fingerprint(runner.model, runner.example_inputs, list(paths)))
     if not regions:
         costs = replace(costs, notes={**costs.notes, "regions": "off (profiled with regions=False)"})
     elif costs.chain and len(block_list) > 1:
-        say("profiling step 3: a region of two blocks")
+        say("profiling step 5: a region of two blocks")
         costs = replace(costs, region_recompute_bytes=_region_residue(runner, block_list, costs))
     return costs
+
+
+def _timed_step(runner: StepRunner) -> float:
+    """Seconds of one bare training step (forward and backward, no meter and no probe), gradients dropped;
+    the garbage collector runs before it and not during it (as ``timeit`` does)."""
+    runner.clear_grads()
+    with paused_gc():
+        start = time.perf_counter()
+        runner.forward_backward()
+        elapsed = time.perf_counter() - start
+    runner.clear_grads()
+    return elapsed
 
 
 def _region_residue(runner: StepRunner, blocks: list[nn.Module], costs: ChainCosts) -> int:
@@ -163,21 +193,26 @@ def _region_residue(runner: StepRunner, blocks: list[nn.Module], costs: ChainCos
         runner.clear_grads()
     region = solver.Region(start=0, stop=stop, inner=tuple(solver.Single(block=i, option=0) for i in range(stop)))
     schedule: tuple[solver.Piece, ...] = (region, *(solver.Single(block=i, option=0) for i in range(stop, n)))
-    measured_fixed = costs.fixed_bytes - int(costs.notes["headroom_bytes"])
-    predicted, _ = solver.evaluate(replace(costs, fixed_bytes=measured_fixed, region_recompute_bytes=0), schedule)
+    predicted, _ = solver.evaluate(replace(costs, region_recompute_bytes=0), schedule)
     # Plus one block output: with checkpointed blocks nested inside a region that is followed by other
     # pieces, one more output-sized gradient is alive than this calibration region shows (measured on
     # gpt("small") at 16 x 384 tokens: 9.4 MB under-predicted without it). Conservative elsewhere.
     return max(0, meter.peak_bytes - int(predicted)) + max(block.output_bytes for block in costs.blocks)
 
 
-def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_time_s: float,
+def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_times_s: tuple[float, float],
               names: list[str]) -> ChainCosts:
     traces, n = plain.traces, len(plain.traces)
     fixed = traces[0].before_forward - traces[0].input_bytes
     ckpt_fixed = recomputed.traces[0].before_forward - traces[0].input_bytes
-    plain_peak = max([plain.head_peak] + [t.forward_peak for t in traces] + [t.backward_peak or 0 for t in traces])
-    headroom = HEADROOM_BYTES + int(HEADROOM_FRACTION * max(0, plain_peak - fixed))
+    plain_peak = _peak_at_marks(plain)
+    margin = HEADROOM_BYTES + int(HEADROOM_FRACTION * max(0, plain_peak - fixed))
+    # [measured schedules are predicted as measured]: step 1 on the plain step's fixed bytes (the optimizer's
+    # state, if any, was created after it).
+    every_block_peak = _peak_at_marks(recomputed) - ckpt_fixed + fixed
+    plain_step_s, every_block_step_s = step_times_s
+    scale, time_note = _time_scale(times, plain_step_s, every_block_step_s)
+    times = [t * scale for t in times]
     # Regions need the blocks to be called as a chain: each block's first input is the previous output,
     # and a region must not change what the model computes ([a region must be exact]).
     chain = all(traces[k + 1].input_id == traces[k].output_id for k in range(n - 1))
@@ -221,8 +256,39 @@ def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_time_s: 
                                  forward_peak_bytes=forward, backward_peak_bytes=backward,
                                  recompute_peak_bytes=recompute, ops=ops, input_held_when_plain=input_held[i],
                                  freed_side_input_bytes=freed[i]))
-    return ChainCosts(fixed_bytes=fixed + headroom, head_bytes=head, blocks=tuple(blocks), step_time_s=step_time_s,
-                      chain=chain, notes={"headroom_bytes": str(headroom), "chain": chain_note})
+    costs = ChainCosts(fixed_bytes=fixed, head_bytes=head, blocks=tuple(blocks), step_time_s=plain_step_s,
+                       chain=chain, margin_bytes=margin, every_block_step_time_s=every_block_step_s,
+                       notes={"chain": chain_note, "recompute_time_scale": time_note,
+                              "headroom_bytes": "0"})  # fixed_bytes holds none now (margin_bytes); for old readers
+    every_block = tuple(solver.Single(block=i, option=len(solver.block_menu(b)) - 1) for i, b in enumerate(blocks))
+    model_peak, _ = solver.evaluate(costs, every_block)
+    # Step 1 is also the warm-up: first-call allocations (lazily built caches) can raise its peak above a
+    # steady step's, which the peak model's rules then predict better; the lesser of the two is kept (each is
+    # at or above the steady step's peak wherever measured).
+    return replace(costs, every_block_peak_bytes=min(every_block_peak, int(model_peak)),
+                   notes={**costs.notes, "every_block_peak": f"measured {every_block_peak} B; the peak model's rules "
+                          f"give {model_peak} B ({model_peak - every_block_peak:+d} B)"})
+
+
+def _peak_at_marks(probe: Probe) -> int:
+    """The step's peak as the probe's marks read it: every block's forward and backward, and the head."""
+    traces = probe.traces
+    return max([probe.head_peak] + [t.forward_peak for t in traces] + [t.backward_peak or 0 for t in traces])
+
+
+def _time_scale(times: list[float], plain_step_s: float, every_block_step_s: float) -> tuple[float, str]:
+    """[measured schedules are predicted as measured]: the factor on the hook-timed forward times that makes
+    the every-block schedule's predicted extra time (the sum of the forwards) equal the measured one."""
+    measured = every_block_step_s - plain_step_s
+    total = 0.0
+    for t in reversed(times):  # the evaluator's order, so the calibrated sum matches to the last bit or two
+        total = t + total
+    if measured <= 0 or total <= 0:
+        return 1.0, (f"1 (not calibrated: the step with every block recomputed, {every_block_step_s * 1e3:.1f} ms, "
+                     f"was not slower than the plain step, {plain_step_s * 1e3:.1f} ms: timing noise)")
+    scale = measured / total
+    return scale, (f"{scale:.4g} (hook-timed forwards {total * 1e3:.1f} ms; every block recomputed measured "
+                   f"{measured * 1e3:.1f} ms over a {plain_step_s * 1e3:.1f} ms plain step)")
 
 
 def _held_between_blocks(plain: Probe, recomputed: Probe, fixed: int,

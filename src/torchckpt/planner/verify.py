@@ -19,12 +19,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from torchckpt._host import host_bytes, preserved_rng, preserved_state
+from torchckpt._host import host_bytes, paused_gc, preserved_rng, preserved_state
 from torchckpt._units import format_bytes
+from torchckpt.executor.compiled import refuse_compiled
+from torchckpt.executor.kv_cache import kv_cache_off
 from torchckpt.memory import MemoryMeter
 from torchckpt.planner.apply import apply_plan
 from torchckpt.planner.plan import Plan
-from torchckpt.planner.runner import StepRunner
+from torchckpt.planner.runner import StepFn, StepRunner
 
 __all__ = ["VerifyReport", "verify_plan"]
 
@@ -121,9 +123,14 @@ def _compare(grads: list, reference: list) -> tuple[bool, float]:
 
 
 def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
-           loss_fn: Callable[[Any], torch.Tensor] | None = None, seed: int = 0) -> VerifyReport:
+                loss_fn: Callable[[Any], torch.Tensor] | None = None, seed: int = 0,
+                step_fn: StepFn | None = None) -> VerifyReport:
     """Measure one step with ``plan`` applied and one without, both from the same buffers; compare
     gradients and buffers bitwise. The model's parameters, buffers and gradients are left as they were.
+
+    ``step_fn(model, example_inputs)`` measures the user's own forward and backward instead of the
+    built-in step (``runner.StepRunner``); pass the one the plan was made with. ``loss_fn`` and
+    ``step_fn`` together are refused (ValueError).
 
     Example:
         >>> import torchckpt
@@ -135,9 +142,12 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
         >>> report.within_budget, report.gradients_equal, report.buffers_equal
         (True, True, True)
     """
+    refuse_compiled([model], "torchckpt.verify")  # Note: [compiled models are refused]
+    runner = StepRunner(model, example_inputs, loss_fn, step_fn=step_fn)
     plan.check_fits(model, example_inputs)
-    runner = StepRunner(model, example_inputs, loss_fn)
-    with preserved_state(model):  # the warm-up and both steps update BatchNorm statistics: undo them
+    # Both steps run with HF KV caches off, as profiling measured them (Note: [KV cache off while checkpointing]);
+    # preserved_state: the warm-up and both steps update BatchNorm statistics: undo them.
+    with preserved_state(model), kv_cache_off([model], while_="verify_plan"), paused_gc():
         _measured_step(runner, seed)  # warm-up: first-call costs out of the way
         start = _buffer_bytes(model)
         plain_peak, plain_time, plain_grads = _measured_step(runner, seed)

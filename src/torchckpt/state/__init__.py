@@ -18,6 +18,7 @@ from torchckpt.state.errors import (
     UnsupportedStateError,
 )
 from torchckpt.state.interchange import export_model_weights, import_torch_save
+from torchckpt.state.reader import load
 from torchckpt.state.retention import RetentionPolicy
 
 __all__ = [
@@ -38,5 +39,6 @@ __all__ = [
     "export_model_weights",
     "import_torch_save",
     "list_checkpoints",
+    "load",
     "verify_checkpoint",
 ]

@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from torchckpt.state.errors import CheckpointCorruptError, CheckpointNotFoundError
+from torchckpt.state.errors import CheckpointCorruptError, CheckpointFallbackWarning, CheckpointNotFoundError
 from torchckpt.state.format import (
+    HASH_ALGORITHMS,
     MANIFEST_NAME,
     FileEntry,
     Manifest,
@@ -39,7 +41,14 @@ from torchckpt.state.format import (
     parse_manifest,
     step_dir_name,
 )
-from torchckpt.state.storage import Storage, open_storage
+from torchckpt.state.local_files import (
+    MANIFEST_MAX_BYTES,
+    checked_size,
+    read_capped,
+    read_into_checked,
+    stream_pieces,
+)
+from torchckpt.state.storage import LocalStorage, Storage, open_storage
 
 VerifyMode = Literal["full", "fast"]
 VERIFY_MODES: tuple[str, ...] = ("full", "fast")
@@ -63,6 +72,65 @@ class CheckpointInfo:
     size_bytes: int | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)
     problems: Mapping[str, str] = field(default_factory=dict)
+    unverifiable: bool = False
+    gone: bool = False
+
+
+class StepGoneError(CheckpointNotFoundError):
+    """A step's directory vanished while it was read (the writer's retention deleted it): gone, not corrupt."""
+
+
+class UnverifiableStepError(CheckpointCorruptError):
+    """A step's manifest names a hash algorithm this torchckpt does not know: it cannot be verified."""
+
+
+def _local_root(storage: Storage, entry: str) -> str | None:
+    return storage.path_of(entry) if isinstance(storage, LocalStorage) else None
+
+
+def _raise_if_gone(storage: Storage, step: int, path: str) -> None:
+    if step not in storage.step_entries():
+        raise StepGoneError(f"{path}: step {step} was deleted while it was being read (the writer's retention "
+                            "removed it); it is gone, not corrupt")
+
+
+def _os_problem(error: OSError) -> str:
+    if isinstance(error, NotADirectoryError):
+        return "its step is a file, not a directory (a stray file named like a step)"
+    if isinstance(error, PermissionError):
+        return f"unreadable: permission denied ({error.strerror}). Fix: chmod/chown it so this user can read it"
+    return f"unreadable ({error})"
+
+
+def _file_size(storage: Storage, entry: str, name: str) -> int | None:
+    root = _local_root(storage, entry)
+    return checked_size(root, name) if root is not None else storage.file_size(entry, name)
+
+
+def _read_into(storage: Storage, entry: str, name: str, into: memoryview,
+               on_piece: Callable[[memoryview], None] | None) -> int:
+    root = _local_root(storage, entry)
+    if root is not None:
+        return read_into_checked(root, name, into, on_piece)
+    return storage.read_into(entry, name, into, on_piece)
+
+
+def step_numbers(storage: Storage) -> list[int]:
+    """Committed step numbers, oldest first; a non-directory named like a step is skipped with a warning.
+
+    Example:
+        >>> step_numbers(open_storage("/nonexistent"))
+        []
+    """
+    steps = []
+    for step, entry in sorted(storage.step_entries().items()):
+        root = _local_root(storage, entry)
+        if root is not None and os.path.lexists(root) and not os.path.isdir(root):
+            warnings.warn(f"{root}: a file named like a step directory, not a checkpoint; ignored. Fix: remove "
+                          "or rename it", CheckpointFallbackWarning, stacklevel=3)
+            continue
+        steps.append(step)
+    return steps
 
 
 def check_verify_mode(verify: str) -> None:
@@ -82,14 +150,25 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
         >>> read_manifest(open_storage("/nonexistent"), 1)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        torchckpt.state.errors.CheckpointCorruptError: /nonexistent/step-000000001/manifest.json: missing; ...
+        torchckpt.state.catalog.StepGoneError: /nonexistent/step-000000001/manifest.json: step 1 was deleted ...
     """
     entry = step_dir_name(step)
     path = storage.path_of(entry, MANIFEST_NAME)
+    root = _local_root(storage, entry)
     try:
-        data = storage.read_file(entry, MANIFEST_NAME)
+        if root is not None:
+            data = read_capped(root, MANIFEST_NAME, MANIFEST_MAX_BYTES)  # Note: [reads stay inside the step]
+        else:
+            size = storage.file_size(entry, MANIFEST_NAME)
+            if size is not None and size > MANIFEST_MAX_BYTES:
+                raise OSError(f"{path}: {size} bytes; at most {MANIFEST_MAX_BYTES} are read")
+            data = storage.read_file(entry, MANIFEST_NAME)
     except FileNotFoundError:
+        _raise_if_gone(storage, step, path)
         problem = "missing; the save that wrote this step did not finish, so it is not a checkpoint"
+        raise CheckpointCorruptError(f"{path}: {problem}", {path: problem}) from None
+    except OSError as error:
+        problem = _os_problem(error)
         raise CheckpointCorruptError(f"{path}: {problem}", {path: problem}) from None
     manifest = parse_manifest(data, path)
     _check_manifest_names(manifest, step, path)
@@ -124,15 +203,46 @@ def _hash_problem(found: str, expected: str, algorithm: str) -> str | None:
 
 
 def _read_checked(
-    storage: Storage, entry: str, name: str, expected: FileEntry, algorithm: str | None, hash_thread: ThreadPoolExecutor
+    storage: Storage, step: int, name: str, expected: FileEntry, algorithm: str | None, hash_thread: ThreadPoolExecutor,
+    keep: bool,
 ) -> tuple[memoryview | None, str | None]:
-    """(bytes, None) if the file has the listed size (and hash, when ``algorithm``), else (None, problem)."""
-    problem = _size_problem(storage.file_size(entry, name), expected.size_bytes)
+    """(bytes, None) if the file has the listed size (and hash, when ``algorithm``), else (None, problem).
+
+    With ``keep=False`` (verification) the file is hashed as a stream, never held whole. Raises
+    :class:`StepGoneError` if the step vanished meanwhile.
+    """
+    entry = step_dir_name(step)
+    path = storage.path_of(entry, name)
+    try:
+        data, problem = _read_or_stream(storage, entry, name, expected, algorithm, hash_thread, keep)
+    except FileNotFoundError:
+        data, problem = None, _size_problem(None, 0)
+    except OSError as error:
+        return None, _os_problem(error)
+    if problem is not None and problem.startswith("missing"):
+        _raise_if_gone(storage, step, path)
+    return data, problem
+
+
+def _read_or_stream(
+    storage: Storage, entry: str, name: str, expected: FileEntry, algorithm: str | None,
+    hash_thread: ThreadPoolExecutor, keep: bool,
+) -> tuple[memoryview | None, str | None]:
+    problem = _size_problem(_file_size(storage, entry, name), expected.size_bytes)  # sizes first, then bytes
     if problem is not None:
         return None, problem
-    # torch.empty: no zero-fill (bytearray would write every page once more) and 64-byte aligned views
-    buffer = torch.empty(expected.size_bytes, dtype=torch.uint8).numpy().data  # ndarray.data: a memoryview
     hasher = new_hasher(algorithm) if algorithm is not None else None
+    root = _local_root(storage, entry)
+    if not keep and hasher is not None and root is not None:  # [every read is bounded]: stream, never hold it
+        streamed = stream_pieces(root, name, lambda piece: hash_thread.submit(hasher.update, piece).result,
+                                 expected.size_bytes)
+        return None, _final_problem(streamed, expected, hasher, algorithm)
+    try:
+        # torch.empty: no zero-fill (bytearray would write every page once more) and 64-byte aligned views
+        buffer = torch.empty(expected.size_bytes, dtype=torch.uint8).numpy().data  # ndarray.data: a memoryview
+    except (RuntimeError, MemoryError) as error:
+        return None, (f"needs {expected.size_bytes} bytes of memory to read and could not get them ({error}). "
+                      "Fix: restore on a machine with more memory")
     updates: list[Future[None]] = []
     hash_piece = None
     if hasher is not None:
@@ -141,39 +251,54 @@ def _read_checked(
             updates.append(hash_thread.submit(hasher.update, piece))  # one worker: pieces hash in order
 
     try:
-        size = storage.read_into(entry, name, buffer, hash_piece)
-    except FileNotFoundError:
-        size = None
-    for update in updates:
-        update.result()
+        size: int | None = _read_into(storage, entry, name, buffer, hash_piece)
+    finally:
+        for update in updates:
+            update.result()
+    problem = _final_problem(size, expected, hasher, algorithm)
+    return (None, problem) if problem is not None else (buffer, None)
+
+
+def _final_problem(size: int | None, expected: FileEntry, hasher: object, algorithm: str | None) -> str | None:
     problem = _size_problem(size, expected.size_bytes)
-    if problem is None and hasher is not None:
-        problem = _hash_problem(hasher.hexdigest(), expected.hash, algorithm)  # type: ignore[arg-type]
     if problem is not None:
-        return None, problem + (" while it was being read" if size != expected.size_bytes else "")
-    return buffer, None
+        return problem + " while it was being read"
+    if hasher is not None:
+        return _hash_problem(hasher.hexdigest(), expected.hash, algorithm)  # type: ignore[attr-defined, arg-type]
+    return None
 
 
-def read_step_files(storage: Storage, step: int, manifest: Manifest, verify: VerifyMode) -> dict[str, memoryview]:
-    """Bytes of every listed file, checked per ``verify`` ([valid means every listed file checks],
-    [decode the bytes that were hashed], [one read per file]).
+def read_step_files(
+    storage: Storage, step: int, manifest: Manifest, verify: VerifyMode, names: Collection[str] | None = None
+) -> dict[str, memoryview]:
+    """Bytes of the listed files (only ``names`` when given), checked per ``verify`` ([valid means every listed
+    file checks], [decode the bytes that were hashed], [one read per file]).
 
-    Raises one :class:`CheckpointCorruptError` naming every bad file.
+    Raises one :class:`CheckpointCorruptError` naming every bad file, :class:`UnverifiableStepError` if the
+    manifest's hash algorithm is unknown (with ``"full"``), :class:`StepGoneError` if the step vanished.
     """
     check_verify_mode(verify)
-    return _read_files(storage, step, manifest, verify, keep=True)
+    return _read_files(storage, step, manifest, verify, keep=True, names=names)
 
 
 def _read_files(
-    storage: Storage, step: int, manifest: Manifest, verify: VerifyMode, keep: bool
+    storage: Storage, step: int, manifest: Manifest, verify: VerifyMode, keep: bool,
+    names: Collection[str] | None = None,
 ) -> dict[str, memoryview]:
     entry = step_dir_name(step)
     algorithm = manifest.hash_algorithm if verify == "full" else None
+    if algorithm is not None and algorithm not in HASH_ALGORITHMS:
+        path = storage.path_of(entry, MANIFEST_NAME)
+        message = (f"unverifiable: hash algorithm {algorithm!r} is unknown to this torchckpt (known: "
+                   f"{sorted(HASH_ALGORITHMS)}). Fix: upgrade torchckpt, or use verify='fast' if you trust the files")
+        raise UnverifiableStepError(f"{path}: {message}", {path: message})
     files: dict[str, memoryview] = {}
     problems: dict[str, str] = {}
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchckpt-hash") as hash_thread:
         for name, expected in manifest.files.items():
-            data, problem = _read_checked(storage, entry, name, expected, algorithm, hash_thread)
+            if names is not None and name not in names:
+                continue
+            data, problem = _read_checked(storage, step, name, expected, algorithm, hash_thread, keep)
             if problem is not None:
                 problems[storage.path_of(entry, name)] = problem
             elif keep:
@@ -191,6 +316,9 @@ def _raise_problems(problems: Mapping[str, str]) -> None:
 def inspect_step(storage: Storage, step: int, verify: VerifyMode) -> CheckpointInfo:
     """Validity, size and metrics of one step (files are hashed only with ``"full"``).
 
+    A step deleted while it was read comes back with ``gone=True``; one whose manifest names an unknown
+    hash algorithm with ``unverifiable=True`` (both not valid).
+
     Example:
         >>> inspect_step(open_storage("/nonexistent"), 7, "fast").valid
         False
@@ -199,8 +327,11 @@ def inspect_step(storage: Storage, step: int, verify: VerifyMode) -> CheckpointI
     try:
         manifest = read_manifest(storage, step)
         problems = _verify_files(storage, step, manifest, verify)
+    except StepGoneError as error:
+        return CheckpointInfo(step=step, path=path, valid=False, problem=str(error), gone=True)
     except CheckpointCorruptError as error:
-        return CheckpointInfo(step=step, path=path, valid=False, problem=str(error), problems=error.problems)
+        return CheckpointInfo(step=step, path=path, valid=False, problem=str(error), problems=error.problems,
+                              unverifiable=isinstance(error, UnverifiableStepError))
     return CheckpointInfo(
         step=step,
         path=path,
@@ -218,19 +349,27 @@ def _verify_files(storage: Storage, step: int, manifest: Manifest, verify: Verif
     if verify == "full":
         try:
             _read_files(storage, step, manifest, verify, keep=False)
+        except UnverifiableStepError:
+            raise
         except CheckpointCorruptError as error:
             return error.problems
         return {}
     problems = {}
     for name, expected in manifest.files.items():
-        problem = _size_problem(storage.file_size(entry, name), expected.size_bytes)
+        path = storage.path_of(entry, name)
+        try:
+            problem = _size_problem(_file_size(storage, entry, name), expected.size_bytes)
+        except OSError as error:
+            problem = _os_problem(error)
+        if problem == "missing (the manifest lists it)":
+            _raise_if_gone(storage, step, path)
         if problem is not None:
-            problems[storage.path_of(entry, name)] = problem
+            problems[path] = problem
     return problems
 
 
 def list_checkpoints(location: str | os.PathLike[str], verify: VerifyMode = "fast") -> list[CheckpointInfo]:
-    """Every step directory under ``location``, oldest first, with validity.
+    """Every step directory under ``location``, oldest first, with validity (steps deleted meanwhile left out).
 
     Example:
         >>> list_checkpoints("/nonexistent")
@@ -238,13 +377,16 @@ def list_checkpoints(location: str | os.PathLike[str], verify: VerifyMode = "fas
     """
     check_verify_mode(verify)
     storage = open_storage(location)
-    return [inspect_step(storage, step, verify) for step in sorted(storage.step_entries())]
+    infos = [inspect_step(storage, step, verify) for step in step_numbers(storage)]
+    return [info for info in infos if not info.gone]
 
 
 def verify_checkpoint(
     location: str | os.PathLike[str], step: int | None = None, verify: VerifyMode = "full"
 ) -> list[CheckpointInfo]:
     """Verify one step (or every step when ``step`` is None); never raises for bad data.
+
+    A step deleted while it is verified (by a live writer's retention) is left out, not reported corrupt.
 
     Example:
         >>> verify_checkpoint("/nonexistent", step=3)  # doctest: +ELLIPSIS
@@ -254,9 +396,12 @@ def verify_checkpoint(
     """
     check_verify_mode(verify)
     storage = open_storage(location)
-    steps = sorted(storage.step_entries())
+    steps = step_numbers(storage)
     if step is not None:
         if step not in steps:
             raise CheckpointNotFoundError(f"{location}: no step {step}; steps found: {steps or 'none'}")
         steps = [step]
-    return [inspect_step(storage, s, verify) for s in steps]
+    infos = [inspect_step(storage, s, verify) for s in steps]
+    if step is not None and infos[0].gone:
+        raise StepGoneError(infos[0].problem)
+    return [info for info in infos if not info.gone]

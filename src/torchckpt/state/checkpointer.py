@@ -20,9 +20,9 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
    optimizer state are copied by the background thread instead, and every
    optimizer step (a global pre-hook) waits until that copy is done (staging.py's
    [optimizer steps wait for staging]).
-5. **[committed steps are immutable]** A committed step is immutable: saving a
-   step that already holds a valid checkpoint is an error; a corrupt one is moved
-   aside to ``.corrupt-*``.
+5. **[committed steps are immutable]** Saving a step that holds a valid (fully
+   hashed) checkpoint is an error; one that fails verification is moved aside to
+   ``.corrupt-*`` and written again. Steps newer than a saved N are abandoned (branches.py).
 6. **[one writer per directory]** One writer per directory: the lock is taken when
    the Checkpointer is built and leftovers of interrupted saves are cleaned only
    then.
@@ -38,12 +38,13 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from torchckpt.state.branches import abandon_newer_steps
 from torchckpt.state.capture import (
     apply_item,
     capture_item,
@@ -58,20 +59,16 @@ from torchckpt.state.errors import (
     CheckpointExistsError,
     CheckpointMismatchError,
 )
-from torchckpt.state.format import (
-    FileEntry,
-    Manifest,
-    encode_manifest,
-    metric_value,
-    new_hasher,
-    step_dir_name,
-)
+from torchckpt.state.format import Manifest, encode_manifest, metric_value, step_dir_name
+from torchckpt.state.hashed_write import write_hashed
+from torchckpt.state.lifecycle import releaser, track
+from torchckpt.state.preempt_points import on_request_for
 from torchckpt.state.preemption import PreemptionHandler, parse_signals
 from torchckpt.state.reader import read_newest_valid
 from torchckpt.state.retention import steps_to_keep
 from torchckpt.state.snapshot import FileChunks, Snapshot, encode_snapshot
 from torchckpt.state.staging import HostStaging, changed_only_by_optimizer_steps
-from torchckpt.state.storage import StepWriter, Storage, open_storage, split_pieces
+from torchckpt.state.storage import Storage, open_storage
 
 
 class Checkpointer:
@@ -90,7 +87,7 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike[str], config: CheckpointerConfig | None = None,
-                 **options: Any) -> None:
+                 *, read_only: bool = False, **options: Any) -> None:
         if config is not None and options:
             raise TypeError(f"pass either config= or keyword options, not both (got {sorted(options)})")
         self.config = config if config is not None else CheckpointerConfig(**options)
@@ -103,16 +100,25 @@ class Checkpointer:
         self._step_guard: Any = None  # the optimizer-step pre-hook handle while staging may be pending
         self.optimizer_wait_s = 0.0  # time optimizer steps spent waiting for background staging
         self._last_step: int | None = None
+        self._resume_point: tuple[int, Any, Mapping[str, Any]] | None = None  # preempt_points.py
         self._closed = False
+        self.read_only = read_only  # no lock, no cleaning, no save: restore/list only (reader.py's rules)
+        if read_only:
+            self._preemption = None
+            self._last_save_monotonic_s = time.monotonic()
+            self._finalizer = track(self, releaser(self._storage, None))
+            return
         self._storage.acquire_lock()  # [one writer per directory]
         try:
             self._storage.clean_leftovers()
             signals = parse_signals(self.config.preemption_signals)
-            self._preemption = PreemptionHandler(signals) if self.config.save_on_preemption else None
+            self._preemption = (PreemptionHandler(signals, on_request_for(self))
+                                if self.config.save_on_preemption else None)
         except BaseException:
             self._storage.release_lock()
             raise
         self._last_save_monotonic_s = time.monotonic()
+        self._finalizer = track(self, releaser(self._storage, self._preemption))  # lifecycle.py
 
     @property
     def directory(self) -> str:
@@ -144,8 +150,17 @@ class Checkpointer:
             >>> ckpt.save(10, model=torch.nn.Linear(2, 2), extras={"epoch": 1}); ckpt.close(); tmp.cleanup()
         """
         self._check_open()
+        if self.read_only:
+            raise CheckpointError(f"this Checkpointer for {self.directory} is read-only (read_only=True): it "
+                                  "cannot save. Fix: build it without read_only (that takes the writer's lock).")
+        if self.preemption_requested:  # a pending SIGTERM is honoured here too, as in maybe_save
+            self._save_and_exit(step, metrics, items)
+        self._save(step, metrics, items)
+
+    def _save(self, step: int, metrics: Mapping[str, object] | None, items: Mapping[str, Any]) -> None:
         self.wait()  # [one save in flight]
         check_step(step)
+        self._resume_point = (step, metrics, items)  # this step is complete (preempt_points.py)
         self._check_step_free(step)
         checked_metrics = {
             check_metric_name(name): metric_value(name, value) for name, value in (metrics or {}).items()
@@ -177,6 +192,7 @@ class Checkpointer:
         self._check_open()
         if self.preemption_requested:
             self._save_and_exit(step, metrics, items)
+        self._resume_point = (step, metrics, items)  # this step is complete
         if not self._due(step):
             return False
         self.save(step, metrics=metrics, **items)
@@ -201,7 +217,7 @@ class Checkpointer:
     def _save_and_exit(self, step: int, metrics: Mapping[str, object] | None, items: Mapping[str, Any]) -> None:
         signal_name = self._preemption.requested.name  # type: ignore[union-attr]
         if step != self._last_step and step not in self._storage.step_entries():
-            self.save(step, metrics=metrics, **items)
+            self._save(step, metrics, items)
         self.close()
         print(
             f"torchckpt: {signal_name} received; saved step {step} to {self.directory}; exiting",
@@ -262,11 +278,12 @@ class Checkpointer:
         try:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchckpt-hash") as hash_thread:
                 entries = {
-                    name: _write_hashed(writer, name, chunks, algorithm, hash_thread) for name, chunks in files.items()
+                    name: write_hashed(writer, name, chunks, algorithm, hash_thread) for name, chunks in files.items()
                 }
             manifest = Manifest(
                 step=step, created_unix_s=time.time(), hash_algorithm=algorithm, files=entries, metrics=metrics
             )
+            abandon_newer_steps(self._storage, step)  # branches.py's [set aside before the commit]
             writer.commit(encode_manifest(manifest))
         except BaseException:
             writer.abort()
@@ -276,7 +293,7 @@ class Checkpointer:
     def _check_step_free(self, step: int) -> None:
         if step not in self._storage.step_entries():
             return
-        info = inspect_step(self._storage, step, "fast")
+        info = inspect_step(self._storage, step, "full")  # a step that fails its hashes may be replaced
         if info.valid:  # [committed steps are immutable]
             raise CheckpointExistsError(
                 f"{info.path} already holds a valid checkpoint of step {step}; committed steps are "
@@ -417,6 +434,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            self._finalizer.detach()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             self._staging.release()
@@ -424,25 +442,15 @@ class Checkpointer:
                 self._preemption.uninstall()
             self._storage.release_lock()
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: close this inherited copy without waiting or writing (lifecycle.py's
+        [a forked child writes nothing]); the lock is dropped by lockfile.py."""
+        self._closed, self._inflight, self._executor, self._step_guard = True, None, None, None
+        self._finalizer.detach()
+        if self._preemption is not None:
+            self._preemption.uninstall()
+
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"this Checkpointer for {self.directory} is closed; build a new one")
 
-
-def _write_hashed(
-    writer: StepWriter, name: str, chunks: FileChunks, algorithm: str, hash_thread: ThreadPoolExecutor
-) -> FileEntry:
-    """Write one file and hash it on the way ([hash while writing]): each piece is queued for hashing, then
-    written."""
-    hasher = new_hasher(algorithm)
-    updates: list[Future[None]] = []
-
-    def hashed_pieces() -> Iterator[memoryview]:
-        for piece in split_pieces(chunks):
-            updates.append(hash_thread.submit(hasher.update, piece))  # one worker: pieces hash in order
-            yield piece
-
-    size_bytes = writer.write(name, hashed_pieces(), sum(memoryview(chunk).nbytes for chunk in chunks))
-    for update in updates:
-        update.result()
-    return FileEntry(size_bytes=size_bytes, hash=hasher.hexdigest())

@@ -77,7 +77,11 @@ def join_tensors(tree: Any, tensors: Mapping[str, torch.Tensor], source: str) ->
         >>> join_tensors(tree, tensors, "opt.json")["betas"]
         (0.9, 0.99)
     """
-    return _decode(tree, tensors, source)
+    try:
+        return _decode(tree, tensors, source)
+    except RecursionError:
+        problem = "nested too deeply to decode (deeper than Python's recursion limit)"
+        raise CheckpointCorruptError(f"{source}: {problem}", {source: problem}) from None
 
 
 def _path_text(path: tuple[str, ...]) -> str:
@@ -228,6 +232,9 @@ def decode_json(data: bytes | memoryview, path: str) -> Any:
         return json.loads(bytes(data).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         problem = f"not valid JSON ({error})"
+        raise CheckpointCorruptError(f"{path}: {problem}", {path: problem}) from None
+    except RecursionError:
+        problem = "JSON nested too deeply to parse (deeper than Python's recursion limit)"
         raise CheckpointCorruptError(f"{path}: {problem}", {path: problem}) from None
 
 

@@ -250,7 +250,11 @@ def _load_manifest_json(data: bytes, path: str) -> dict[str, Any]:
     try:
         body = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        _corrupt(path, f"not valid JSON ({error}); the save that wrote it did not finish")
+        # A save writes the manifest whole and fsyncs it before the step is renamed into place, so a
+        # committed manifest that does not parse was damaged afterwards: corruption, not an unfinished save.
+        _corrupt(path, f"not valid JSON ({error}): corrupt (damaged after it was written)")
+    except RecursionError:
+        _corrupt(path, "JSON nested too deeply to parse: corrupt (a manifest is nested 3 levels deep)")
     if not isinstance(body, dict):
         _corrupt(path, f"expected a JSON object, found {type(body).__name__}")
     return body

@@ -13,12 +13,14 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import safetensors.torch
 import torch
 
@@ -51,15 +53,35 @@ class _StoredState:
         self._state = state
 
 
+_GLOBAL_RE = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+_REASON_RE = re.compile(r"WeightsUnpickler error: ([^\n]*)")
+
+
 def _load_weights_only(path: str) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with open(path, "rb") as handle:
+            head = handle.read(8)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such file") from None
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, ValueError, EOFError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    except IsADirectoryError:
+        raise CheckpointMismatchError(f"{path}: a directory, not a torch.save file. Fix: pass the .pt file") from None
+    if not (head.startswith(b"PK\x03\x04") or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5)):
+        raise CheckpointMismatchError(
+            f"{path}: not a torch.save file (it starts with {head!r}; a torch.save file is a zip archive or a "
+            "pickle). Fix: pass the .pt/.pth file written by torch.save"
+        )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, ValueError, EOFError, KeyError,
+            IndexError, TypeError) as error:
+        text = str(error).strip()
+        refused = _GLOBAL_RE.search(text)
+        reason = _REASON_RE.search(text)
+        first_line = reason.group(1) if reason else (text.splitlines()[0] if text else type(error).__name__)
+        named = (f"it needs {refused.group(1)}, which is neither a tensor nor a plain container; "
+                 if refused else "")
         problem = (
-            f"torch.load(weights_only=True) refused it ({first_line}). The file holds objects "
+            f"torch.load(weights_only=True) refused it ({named}{first_line}). The file holds objects "
             "other than tensors and plain containers; building them would run code named by the "
             "file, which torchckpt never does. Fix: in a trusted environment, load it with its own "
             "code and save the state_dicts with torchckpt.Checkpointer instead."
@@ -93,18 +115,41 @@ def split_legacy_items(loaded: Any, path: str) -> tuple[dict[str, Any], int | No
             "Fix: save a dict such as {'model': model.state_dict(), 'optimizer': opt.state_dict()}."
         )
     items: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     extras: dict[str, Any] = {}
     step_key = _first_key(loaded, _STEP_KEYS)
     for key, value in loaded.items():
         name = _item_name(key)
         if isinstance(value, Mapping) and name is not None:
-            items[name] = dict(value)
+            if name in sources:
+                raise CheckpointMismatchError(
+                    f"{path}: keys {sources[name]!r} and {key!r} would both become the item {name!r}, and one would "
+                    "be lost. Fix: rename one of them in the file (or load it and save the items with a Checkpointer)."
+                )
+            items[name], sources[name] = dict(value), key
         elif key != step_key:
             extras[key] = value
     if extras:
+        if "extras" in items:
+            raise CheckpointMismatchError(
+                f"{path}: key {sources['extras']!r} and the loose values {sorted(extras)} would both become the item "
+                "'extras', and one would be lost. Fix: rename the 'extras' key in the file."
+            )
         items["extras"] = extras
-    step = int(loaded[step_key]) if step_key is not None and isinstance(loaded[step_key], int) else None
+    step = _step_value(loaded[step_key], step_key, path) if step_key is not None else None
     return items, step
+
+
+def _step_value(value: Any, key: str, path: str) -> int:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point \
+            and not value.dtype.is_complex and value.dtype != torch.bool:
+        return int(value.item())
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    raise CheckpointMismatchError(
+        f"{path}: key {key!r} holds {value!r} ({type(value).__name__}); expected an integer step (an int or a "
+        "one-element integer tensor). Fix: pass the step explicitly (import_torch_save(step=...) / --step)."
+    )
 
 
 def _item_name(key: str) -> str | None:
@@ -180,11 +225,42 @@ def export_model_weights(
 
 def _write_safetensors_atomically(tensors: Mapping[str, torch.Tensor], out: str, metadata: dict[str, str]) -> None:
     temp = f"{out}.tmp-{os.getpid()}"
+    parent = os.path.dirname(os.path.abspath(out))
     try:
+        if not os.path.isdir(parent):  # safetensors' own error would not say which part is wrong
+            raise FileNotFoundError(errno.ENOENT, f"no directory {parent}")
+        with open(temp, "wb"):  # the OS names a read-only disk or a permission problem here
+            pass
         safetensors.torch.save_file(dict(tensors), temp, metadata=metadata)
         os.replace(temp, out)
+    except safetensors.SafetensorError as error:
+        if os.path.exists(temp):
+            os.remove(temp)
+        raise CheckpointError(f"{out}: could not write the export ({error}). Fix: check free space and the "
+                              "path.") from None
     except OSError as error:
         if os.path.exists(temp):
             os.remove(temp)
-        raise CheckpointError(f"{out}: could not write the export ({error}). "
-                              "Fix: check the path and free space.") from error
+        raise CheckpointError(f"{out}: could not write the export ({error}). Fix: {_fix_for(error)}.") from error
+
+
+_FIXES = {
+    errno.ENOSPC: "free space on that disk or write elsewhere",
+    errno.EDQUOT: "free space within your quota or write elsewhere",
+    errno.EROFS: "the filesystem is read-only: write to a writable location",
+    errno.EACCES: "permission denied: write to a directory you may write to (or fix its permissions)",
+    errno.EPERM: "permission denied: write to a directory you may write to (or fix its permissions)",
+    errno.ENOENT: "its directory does not exist: create it first",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: fix the path",
+    errno.EISDIR: "the output path is a directory: pass a file path",
+}
+
+
+def _fix_for(error: OSError) -> str:
+    """What to do about a failed write, from its errno (not always "free space").
+
+    Example:
+        >>> _fix_for(OSError(errno.EROFS, "Read-only file system"))
+        'the filesystem is read-only: write to a writable location'
+    """
+    return _FIXES.get(error.errno or 0, "check the path")

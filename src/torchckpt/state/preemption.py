@@ -4,10 +4,21 @@ Rules kept here (named in ``docs/design.md``):
 
 1. **[the handler only records]** The signal handler only records the request.
    Saving inside a handler could capture a half-updated optimizer; the save
-   happens in ``maybe_save``, between training steps, where state is consistent.
+   happens in ``maybe_save`` or ``save``, between training steps, where state is
+   consistent (or where the loop waits for a DataLoader batch: rule 3).
 2. **[a second signal stops]** A second signal of the same kind restores the
    previous handler and re-delivers the signal, so a user pressing Ctrl-C twice
    still stops the job.
+3. **[dead workers wait for the safe point]** A SIGTERM sent to the whole process
+   group (Slurm, Kubernetes) also kills DataLoader workers, and torch's SIGCHLD
+   handler would raise "DataLoader worker ... is killed by signal" at an arbitrary
+   point of the step. Once a preemption is requested, SIGCHLD is handled by a no-op
+   until :meth:`uninstall`, so the step finishes and reaches its ``maybe_save``/``save``,
+   which saves and exits. ``on_request`` is called with the interrupted frame when
+   the signal lands and then every 50 ms (a ``SIGALRM`` timer, only if nothing else
+   handles ``SIGALRM``); preempt_points.py saves when the main thread waits for a
+   DataLoader batch (between steps: the state is that of the last ``maybe_save``),
+   before the iterator can raise about its dead workers.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -40,7 +51,9 @@ class PreemptionHandler:
     """Installs handlers that set :attr:`requested` ([the handler only records]); :meth:`uninstall` puts
     the old ones back."""
 
-    def __init__(self, signals: Sequence[signal.Signals]) -> None:
+    def __init__(
+        self, signals: Sequence[signal.Signals], on_request: Callable[[FrameType | None], None] | None = None
+    ) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError(
                 "save_on_preemption=True needs the Checkpointer to be built in the main thread "
@@ -48,6 +61,7 @@ class PreemptionHandler:
             )
         self.requested: signal.Signals | None = None
         self._previous: dict[signal.Signals, Any] = {}
+        self._on_request = on_request
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
@@ -55,14 +69,35 @@ class PreemptionHandler:
         sig = signal.Signals(signum)
         if self.requested is None:
             self.requested = sig
+            if hasattr(signal, "SIGCHLD") and signal.SIGCHLD not in self._previous:
+                self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, _ignore)  # [dead workers wait ...]
+            if self._on_request is not None:
+                self._start_ticks()
+                self._on_request(frame)
             return
         signal.signal(sig, self._previous.get(sig, signal.SIG_DFL))  # [a second signal stops]
         os.kill(os.getpid(), sig)
+
+    def _start_ticks(self) -> None:
+        if not hasattr(signal, "SIGALRM") or signal.getsignal(signal.SIGALRM) is not signal.SIG_DFL:
+            return  # the program uses SIGALRM itself: only the step's maybe_save/save will save
+        self._previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, self._tick)
+        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
+
+    def _tick(self, signum: int, frame: FrameType | None) -> None:
+        if self._on_request is not None:
+            self._on_request(frame)
 
     def uninstall(self) -> None:
         """Restore the handlers that were there before (idempotent)."""
         if threading.current_thread() is not threading.main_thread():
             return
+        if signal.SIGALRM in self._previous:
+            signal.setitimer(signal.ITIMER_REAL, 0)
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
         self._previous.clear()
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """SIGCHLD while a preemption is pending: worker deaths are left for the safe point."""

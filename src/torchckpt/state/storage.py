@@ -26,17 +26,13 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
-import socket
-import sys
-import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
-from torchckpt.state.errors import CheckpointLockedError, CheckpointWriteError
+from torchckpt.state.errors import CheckpointWriteError
 from torchckpt.state.format import (
     CORRUPT_PREFIX,
     LOCK_NAME,
@@ -46,6 +42,11 @@ from torchckpt.state.format import (
     parse_step_dir_name,
     step_dir_name,
 )
+from torchckpt.state.lockfile import HeldLock, acquire
+from torchckpt.state.lockfile import describe_holder as describe_holder  # re-exported for storage_fsspec.py
+from torchckpt.state.lockfile import holder_record as holder_record
+
+ABANDONED_DIR = "abandoned"  # where the steps of an abandoned branch go (branches.py)
 
 # Files are written and read in pieces of this size: small enough that hashing piece k overlaps
 # writing/reading piece k+1 in another thread, large enough that syscalls cost nothing
@@ -77,6 +78,7 @@ class Storage(Protocol):
     def file_size(self, entry: str, name: str) -> int | None: ...
     def begin_step(self, step: int) -> StepWriter: ...
     def remove_step(self, step: int) -> None: ...
+    def abandon_step(self, step: int) -> str: ...
     def clean_leftovers(self) -> list[str]: ...
     def acquire_lock(self) -> None: ...
     def release_lock(self) -> None: ...
@@ -95,36 +97,6 @@ def open_storage(location: str | os.PathLike[str]) -> Storage:
 
         return FsspecStorage(text)
     return LocalStorage(text.removeprefix("file://"))
-
-
-def holder_record() -> dict[str, Any]:
-    """What a lock file says about its holder: this process's pid, host, start time and command line.
-
-    Example:
-        >>> sorted(holder_record())
-        ['command', 'host', 'pid', 'since_unix_s']
-    """
-    return {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "since_unix_s": time.time(),
-        "command": " ".join(sys.argv)[:300],
-    }
-
-
-def describe_holder(raw: bytes) -> str:
-    """The holder named by a lock file's bytes (see ``holder_record``), for a "locked by ..." message.
-
-    Example:
-        >>> describe_holder(b"not json")
-        'an unknown process (the lock file is unreadable)'
-    """
-    try:
-        holder = json.loads(raw.decode("utf-8"))
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["since_unix_s"]))
-        return f"pid {holder['pid']} on host {holder['host']} since {since} ({holder['command']!r})"
-    except (ValueError, KeyError, TypeError):
-        return "an unknown process (the lock file is unreadable)"
 
 
 def write_error(path: str, error: OSError, done_bytes: int, total_bytes: int) -> CheckpointWriteError:
@@ -208,7 +180,7 @@ class LocalStorage:
 
     def __init__(self, root: str) -> None:
         self.location = root
-        self._lock_fd: int | None = None
+        self._lock: HeldLock | None = None
 
     def path_of(self, entry: str, name: str | None = None) -> str:
         """Filesystem path of a step entry or a file in it."""
@@ -265,6 +237,19 @@ class LocalStorage:
         _fsync_dir(self.location)
         shutil.rmtree(self.path_of(trash), ignore_errors=True)
 
+    def abandon_step(self, step: int) -> str:
+        """Move a committed step of an abandoned branch to ``abandoned/`` (one rename; branches.py)."""
+        entry = step_dir_name(step)
+        folder = self.path_of(ABANDONED_DIR)
+        os.makedirs(folder, exist_ok=True)
+        target = os.path.join(ABANDONED_DIR, entry)
+        if os.path.lexists(self.path_of(target)):
+            target = f"{target}-{uuid.uuid4().hex[:12]}"
+        os.rename(self.path_of(entry), self.path_of(target))
+        _fsync_dir(folder)
+        _fsync_dir(self.location)
+        return self.path_of(target)
+
     def move_aside(self, entry: str) -> str:
         """Rename a corrupt step out of the way (kept for inspection as ``.corrupt-*``)."""
         target = f"{CORRUPT_PREFIX}{entry}-{uuid.uuid4().hex[:12]}"
@@ -282,31 +267,15 @@ class LocalStorage:
         return removed
 
     def acquire_lock(self) -> None:
-        """Take the writer lock (``flock``; released by the kernel if the process dies)."""
-        import fcntl
-
+        """Take the writer lock (``flock``; released by the kernel if the process dies; lockfile.py)."""
         self._ensure_root()
-        path = os.path.join(self.location, LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = describe_holder(os.pread(fd, 4096, 0))
-            os.close(fd)
-            raise CheckpointLockedError(
-                f"{self.location} is locked by {holder}: another Checkpointer is writing there. "
-                "Two writers in one directory would delete each other's checkpoints. Fix: stop "
-                "that run or use another directory (reading with `torchckpt ls/verify` needs no lock)."
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder_record()).encode("utf-8"), 0)
-        self._lock_fd = fd
+        self._lock = acquire(self.location, LOCK_NAME)
 
     def release_lock(self) -> None:
         """Release the writer lock (idempotent)."""
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing the descriptor releases the flock
-            self._lock_fd = None
+        if self._lock is not None:
+            self._lock.release()  # closing the descriptor releases the flock
+            self._lock = None
 
 
 class _LocalStepWriter:

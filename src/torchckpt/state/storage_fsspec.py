@@ -7,11 +7,12 @@ No atomic rename exists there, so the manifest, written last, is the commit mark
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Iterable
 
 from torchckpt.state.errors import CheckpointLockedError, CheckpointWriteError
 from torchckpt.state.format import LOCK_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
-from torchckpt.state.storage import Buffer, describe_holder, holder_record, read_pieces, write_error
+from torchckpt.state.storage import ABANDONED_DIR, Buffer, describe_holder, holder_record, read_pieces, write_error
 
 __all__ = ["FsspecStorage"]
 
@@ -87,6 +88,17 @@ class FsspecStorage:
     def remove_step(self, step: int) -> None:
         """Delete a committed step, manifest first (storage.py's [manifest is the commit mark])."""
         self._remove_entry(step_dir_name(step))
+
+    def abandon_step(self, step: int) -> str:
+        """Copy a committed step of an abandoned branch to ``abandoned/`` (manifest last), then remove it
+        (manifest first): no rename on object stores (branches.py)."""
+        entry = step_dir_name(step)
+        target = f"{ABANDONED_DIR}/{entry}-{uuid.uuid4().hex[:12]}"
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self._fs.ls(self._inner(entry), detail=False)]
+        for name in sorted(names, key=lambda n: n == MANIFEST_NAME):
+            self._fs.pipe_file(self._inner(target, name), self._fs.cat_file(self._inner(entry, name)))
+        self._remove_entry(entry)
+        return self.path_of(target)
 
     def clean_leftovers(self) -> list[str]:
         """Delete step directories that have no manifest; only call with the lock

@@ -124,7 +124,7 @@ def make_loader(dataset: ByteChunks, batch_size: int, seed: int):
         from torchdata.stateful_dataloader.sampler import RandomSampler
     except ImportError:
         raise ImportError("torchckpt train needs torchdata for a resumable data loader: "
-                          "pip install torchdata") from None
+                          "pip install torchckpt[train] (or pip install torchdata)") from None
     if len(dataset) < batch_size:
         raise ValueError(f"--batch-size {batch_size} is more than the {len(dataset)} sequences in the training text; "
                          "use a smaller --batch-size or --seq-len")

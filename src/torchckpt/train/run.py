@@ -320,6 +320,7 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
     summary_path = run_dir / "summary.json"
     example = train_set.batch(range(config.batch_size))
     plan, baseline = _plan(config, record, model, example, say)
+    del example  # profiled as the step's batch; kept alive beside the loader's batches it would count twice
     handle = apply_plan(model, plan)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.01)

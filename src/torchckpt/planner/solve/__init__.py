@@ -8,7 +8,7 @@ within a budget (single blocks with menu options and nested regions), ``floor_by
 from torchckpt.planner.solve._types import InfeasibleBudgetError, MenuOption, Piece, Region, Single, Solution
 from torchckpt.planner.solve.chain_dp import DEFAULT_MEMORY_SLOTS, solve, solve_budgets
 from torchckpt.planner.solve.evaluate import evaluate
-from torchckpt.planner.solve.floor import floor_bytes
+from torchckpt.planner.solve.floor import floor_bytes, schedule_margin_bytes
 from torchckpt.planner.solve.menu import MENU_MAX_OPTIONS, block_menu
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "block_menu",
     "evaluate",
     "floor_bytes",
+    "schedule_margin_bytes",
     "solve_budgets",
     "solve",
 ]

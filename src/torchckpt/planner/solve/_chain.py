@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchckpt.planner.costs import ChainCosts
-from torchckpt.planner.solve._types import MenuOption
+from torchckpt.planner.solve._types import MenuOption, Single
 from torchckpt.planner.solve.menu import block_menu
 
 
@@ -41,6 +41,24 @@ class Chain:
     def top_context_bytes(self) -> int:
         """``C`` of the top-level chain ([backward peak]): fixed bytes and the gradient arriving from the head."""
         return self.costs.fixed_bytes + self.costs.blocks[-1].output_bytes
+
+    def every_block_schedule(self) -> tuple[Single, ...]:
+        """Every block checkpointed keeping nothing (its menu's last option): what the profiler measures in
+        its first step (costs.py's [measured schedules are predicted as measured])."""
+        return tuple(Single(block=i, option=len(menu) - 1) for i, menu in enumerate(self.menus))
+
+    def plain_schedule(self) -> tuple[Single, ...]:
+        """No block checkpointed (option 0 everywhere)."""
+        return tuple(Single(block=i, option=0) for i in range(self.n))
+
+    def margin_of(self, schedule: tuple, margin_bytes: int) -> int:
+        """costs.py's [a margin only where a plan was not measured]: 0 for the all-plain schedule and, when
+        its peak was measured, for every block checkpointed; ``margin_bytes`` for any other."""
+        if tuple(schedule) == self.plain_schedule():
+            return 0
+        if self.costs.every_block_peak_bytes and tuple(schedule) == self.every_block_schedule():
+            return 0
+        return margin_bytes
 
     def gradient_inside(self, stop: int) -> int:
         """``g`` of [forward peak] for pieces inside a region ending before ``stop``: its output's gradient."""

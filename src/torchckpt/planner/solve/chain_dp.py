@@ -42,7 +42,7 @@ from torchckpt.planner.costs import ChainCosts
 from torchckpt.planner.solve._chain import Chain
 from torchckpt.planner.solve._types import InfeasibleBudgetError, Piece, Region, Single, Solution
 from torchckpt.planner.solve.evaluate import evaluate_chain
-from torchckpt.planner.solve.floor import min_peak_schedule
+from torchckpt.planner.solve.floor import check_margin, floor_schedule, min_peak_schedule
 
 __all__ = ["DEFAULT_MEMORY_SLOTS", "solve", "solve_budgets"]
 
@@ -256,28 +256,38 @@ def _check_budget(budget_bytes: object) -> int:
     return budget_bytes
 
 
-def _infeasible(chain: Chain, budget_bytes: int, floor: int, schedule: tuple[Piece, ...]) -> InfeasibleBudgetError:
+def _infeasible(chain: Chain, budget_bytes: int, floor: int, schedule: tuple[Piece, ...],
+                margin_bytes: int) -> InfeasibleBudgetError:
     _, _, binding = evaluate_chain(chain, schedule)
     costs = chain.costs
-    breakdown: dict[str, int | str] = {"fixed_bytes": costs.fixed_bytes, "activation_bytes": floor - costs.fixed_bytes,
-                                       "head_bytes": costs.head_bytes, "binding": binding}
+    margin = chain.margin_of(schedule, margin_bytes)
+    breakdown: dict[str, int | str] = {"fixed_bytes": costs.fixed_bytes,
+                                       "activation_bytes": floor - margin - costs.fixed_bytes,
+                                       "head_bytes": costs.head_bytes, "margin_bytes": margin, "binding": binding}
+    with_margin = (f" + a margin of {format_bytes(margin)} (this plan was not measured when profiling)"
+                   if margin else "")
     message = (f"budget {budget_bytes} bytes ({format_bytes(budget_bytes)}) is below the smallest feasible "
                f"peak (predicted), {floor} bytes ({format_bytes(floor)}) = fixed {format_bytes(costs.fixed_bytes)} "
                f"(parameters, gradients, optimizer state, batch, activations outside the blocks) + "
-               f"{format_bytes(floor - costs.fixed_bytes)} that the blocks and the head need at least, reached at "
-               f"{binding} even with every block recomputed. Try a smaller batch or sequence length, offloading "
-               f"(optimizer state or activations to CPU), or sharding parameters, gradients and optimizer state "
-               f"(FSDP/ZeRO); any budget >= {floor} bytes is feasible.")
+               f"{format_bytes(floor - margin - costs.fixed_bytes)} that the blocks and the head need at least"
+               f"{with_margin}, reached at {binding} even with every block recomputed. Try a smaller batch or "
+               f"sequence length, offloading (optimizer state or activations to CPU), or sharding parameters, "
+               f"gradients and optimizer state (FSDP/ZeRO); any budget >= {floor} bytes is feasible.")
     return InfeasibleBudgetError(budget_bytes, floor, breakdown, message)
 
 
 def solve(costs: ChainCosts, budget_bytes: int, *, allow_regions: bool = True,
-          memory_slots: int = DEFAULT_MEMORY_SLOTS) -> Solution:
-    """The schedule with the least predicted extra time whose predicted peak is within ``budget_bytes``.
+          memory_slots: int = DEFAULT_MEMORY_SLOTS, margin_bytes: int | None = None) -> Solution:
+    """The schedule with the least predicted extra time whose predicted peak plus its margin is within
+    ``budget_bytes``.
 
-    ``allow_regions=False`` plans single blocks only; so does a cost model with ``chain=False``.
-    ``memory_slots`` sets the memory grid (see the module docstring); the result is always re-checked
-    with ``evaluate``. Raises ``InfeasibleBudgetError`` when ``budget_bytes < floor_bytes(costs)``.
+    ``margin_bytes`` is the margin of schedules the profiler did not measure (None: ``costs.margin_bytes``,
+    what ``margin="auto"`` gives; 0 for cost models that record none); the two it measured (no
+    checkpointing, and every block checkpointed when ``costs.every_block_peak_bytes`` is set) need none
+    (costs.py's [a margin only where a plan was not measured]). ``allow_regions=False`` plans single
+    blocks only; so does a cost model with ``chain=False``. ``memory_slots`` sets the memory grid (see
+    the module docstring); the result is always re-checked with ``evaluate``. Raises
+    ``InfeasibleBudgetError`` when ``budget_bytes < floor_bytes(costs, margin_bytes=margin_bytes)``.
 
     Example:
         >>> from torchckpt.planner.costs import BlockCosts
@@ -288,24 +298,40 @@ def solve(costs: ChainCosts, budget_bytes: int, *, allow_regions: bool = True,
         >>> solve(costs, 140).schedule
         (Region(start=0, stop=2, inner=(Single(block=0, option=0), Single(block=1, option=0))),
          Single(block=2, option=0), Single(block=3, option=0))
+        >>> solve(costs, 150, margin_bytes=12).extra_time_s  # 138 + 12 fits, 142 + 12 does not
+        2.0
     """
     budget_bytes = _check_budget(budget_bytes)
     check_positive_int("memory_slots", memory_slots)
     chain = Chain.of(costs)
+    margin_bytes = check_margin(costs.margin_bytes if margin_bytes is None else margin_bytes)
     allow_regions = bool(allow_regions) and costs.chain
-    plain = tuple(Single(block=i, option=0) for i in range(chain.n))
+    plain = chain.plain_schedule()
     peak, extra_s, _ = evaluate_chain(chain, plain)
     if peak <= budget_bytes:
         return Solution(schedule=plain, predicted_peak_bytes=peak, extra_time_s=extra_s, budget_bytes=budget_bytes)
-    found = _dp_best(chain, budget_bytes, bool(allow_regions), memory_slots)
-    if found is None:
-        floor, schedule = min_peak_schedule(chain, allow_regions=bool(allow_regions))
-        if budget_bytes < floor:
-            raise _infeasible(chain, budget_bytes, floor, schedule)
-        peak, extra_s, _ = evaluate_chain(chain, schedule)  # the grid lost the slack; the least-peak plan fits
-        found = schedule, peak, extra_s
-    schedule, peak, extra_s = found
-    assert peak <= budget_bytes, f"solver returned a plan over budget ({peak} > {budget_bytes})"
+    found: list[tuple[tuple[Piece, ...], int, float]] = []
+    if costs.every_block_peak_bytes:  # measured: no margin ([a margin only where a plan was not measured])
+        every = chain.every_block_schedule()
+        every_peak, every_s, _ = evaluate_chain(chain, every)
+        if every_peak <= budget_bytes:
+            found.append((every, every_peak, every_s))
+    room = budget_bytes - margin_bytes
+    best = _dp_best(chain, room, bool(allow_regions), memory_slots) if room >= 0 else None
+    if best is None and room >= 0:
+        _, schedule = min_peak_schedule(chain, allow_regions=bool(allow_regions))
+        peak, extra_s, _ = evaluate_chain(chain, schedule)
+        if peak + chain.margin_of(schedule, margin_bytes) <= budget_bytes:  # the grid lost the slack: it fits
+            best = schedule, peak, extra_s
+    if best is not None and (not found or best[2] < found[0][2]):
+        found = [best]
+    if not found:
+        floor, schedule = floor_schedule(chain, allow_regions=bool(allow_regions), margin_bytes=margin_bytes)
+        assert floor > budget_bytes, f"the floor {floor} is within budget {budget_bytes} but no plan was found"
+        raise _infeasible(chain, budget_bytes, floor, schedule, margin_bytes)
+    schedule, peak, extra_s = found[0]
+    assert peak + chain.margin_of(schedule, margin_bytes) <= budget_bytes, \
+        f"solver returned a plan over budget ({peak} + margin > {budget_bytes})"
     return Solution(schedule=schedule, predicted_peak_bytes=peak, extra_time_s=extra_s, budget_bytes=budget_bytes)
 
 

@@ -1,6 +1,8 @@
 """The exact evaluator of costs.py's peak model: a schedule's predicted peak and extra time.
 
-The rules it evaluates run from [what a piece holds] through [predicted peak is the maximum].
+The rules it evaluates run from [what a piece holds] through [predicted peak is the maximum], and
+[measured schedules are predicted as measured]: every block checkpointed keeping nothing is given
+its measured peak (``ChainCosts.every_block_peak_bytes``) when the profiler recorded one.
 
 Schedules are checked as they are walked; every error names the piece, what was expected and what was
 found. Extra time is summed from the last piece back to the first (a piece's time plus the rest's),
@@ -109,6 +111,9 @@ def evaluate_chain(chain: Chain, schedule: Sequence[Piece]) -> tuple[int, float,
     extra_s, held = _walk(chain, schedule, 0, chain.n, chain.top_context_bytes, 0, None, peak)
     costs = chain.costs
     peak.see(costs.fixed_bytes + held + costs.head_bytes, "the end of the forward pass (the head)")
+    if costs.every_block_peak_bytes and tuple(schedule) == chain.every_block_schedule():
+        # costs.py's [measured schedules are predicted as measured]
+        return costs.every_block_peak_bytes, extra_s, "every block checkpointed (its peak measured when profiling)"
     return peak.bytes, extra_s, peak.event
 
 

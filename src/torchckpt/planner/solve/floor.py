@@ -12,7 +12,11 @@ that of the top-level rest from ``s`` (whose end adds the term of [forward-end p
 where a region piece ``[s, v)`` needs ``max(its forward, region context + P(s, v))`` (the region context is
 ``Chain.region_context_bytes(s)``: ``region_recompute_bytes``, plus ``x_s`` when [what a piece holds] needs
 it and block ``s``'s ``freed_side_input_bytes``).
-The floor is ``fixed_bytes + y_{n-1} + Q(0)``. O(n^3) with numpy over the split point.
+The least predicted peak is ``fixed_bytes + y_{n-1} + Q(0)``. O(n^3) with numpy over the split point.
+
+With a margin (costs.py's [a margin only where a plan was not measured]) the floor is the least budget
+some schedule fits: the smaller of that least peak plus the margin and the peaks of the two measured
+schedules (no checkpointing; every block checkpointed, when measured), which need none.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import numpy as np
 from torchckpt.planner.costs import ChainCosts
 from torchckpt.planner.solve._chain import Chain
 from torchckpt.planner.solve._types import Piece, Region, Single
+from torchckpt.planner.solve.evaluate import evaluate_chain
 
-__all__ = ["floor_bytes"]
+__all__ = ["check_margin", "floor_bytes", "floor_schedule", "schedule_margin_bytes"]
 
 _BIG = np.iinfo(np.int64).max // 4
 
@@ -123,14 +128,53 @@ def min_peak_schedule(chain: Chain, *, allow_regions: bool = True) -> tuple[int,
     return chain.top_context_bytes + top[0], tuple(pieces)
 
 
-def floor_bytes(costs: ChainCosts, *, allow_regions: bool = True) -> int:
-    """The smallest predicted peak over all schedules (``solve`` raises below it, never at or above it).
+def floor_schedule(chain: Chain, *, allow_regions: bool = True, margin_bytes: int = 0) -> tuple[int, tuple[Piece, ...]]:
+    """The floor with ``margin_bytes`` for schedules that were not measured, and a schedule reaching it."""
+    _, schedule = min_peak_schedule(chain, allow_regions=allow_regions)
+    best = (evaluate_chain(chain, schedule)[0] + chain.margin_of(schedule, margin_bytes), schedule)
+    measured = [chain.plain_schedule()] + ([chain.every_block_schedule()] if chain.costs.every_block_peak_bytes else [])
+    for candidate in measured:
+        peak = evaluate_chain(chain, candidate)[0]
+        if peak < best[0]:
+            best = (peak, candidate)
+    return best
+
+
+def check_margin(margin_bytes: object) -> int:
+    """``margin_bytes`` if it is an int >= 0; else ValueError naming it."""
+    if isinstance(margin_bytes, bool) or not isinstance(margin_bytes, int) or margin_bytes < 0:
+        raise ValueError(f"margin_bytes must be an int number of bytes >= 0; got {margin_bytes!r}")
+    return margin_bytes
+
+
+def floor_bytes(costs: ChainCosts, *, allow_regions: bool = True, margin_bytes: int | None = None) -> int:
+    """The least budget some schedule fits: its predicted peak plus its margin (``margin_bytes`` for schedules
+    that were not measured, None: ``costs.margin_bytes``; 0 for measured ones); ``solve`` raises below it,
+    never at or above it.
 
     Example:
         >>> from torchckpt.planner.costs import BlockCosts
         >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
-        >>> floor_bytes(ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block,) * 4))
-        124
+        >>> costs = ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block,) * 4)
+        >>> floor_bytes(costs), floor_bytes(costs, margin_bytes=10)
+        (124, 134)
     """
-    floor, _ = min_peak_schedule(Chain.of(costs), allow_regions=allow_regions)
+    margin = check_margin(costs.margin_bytes if margin_bytes is None else margin_bytes)
+    floor, _ = floor_schedule(Chain.of(costs), allow_regions=allow_regions, margin_bytes=margin)
     return floor
+
+
+def schedule_margin_bytes(costs: ChainCosts, schedule: tuple[Piece, ...], margin_bytes: int | None = None) -> int:
+    """The margin ``schedule`` must keep below a budget: 0 if the profiler measured it (no checkpointing;
+    every block checkpointed, when ``costs.every_block_peak_bytes`` is set), else ``margin_bytes`` (None:
+    ``costs.margin_bytes``).
+
+    Example:
+        >>> from torchckpt.planner.costs import BlockCosts
+        >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
+        >>> costs = ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block,) * 2)
+        >>> [schedule_margin_bytes(costs, (Single(0, k), Single(1, 0)), 64) for k in (0, 1)]
+        [0, 64]
+    """
+    margin = check_margin(costs.margin_bytes if margin_bytes is None else margin_bytes)
+    return Chain.of(costs).margin_of(tuple(schedule), margin)

@@ -1,0 +1,39 @@
+"""Writing one file of a step while a second thread hashes it (checkpointer.py's [hash while writing])."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from torchckpt.state.format import FileEntry, new_hasher
+from torchckpt.state.snapshot import FileChunks
+from torchckpt.state.storage import StepWriter, split_pieces
+
+
+def write_hashed(
+    writer: StepWriter, name: str, chunks: FileChunks, algorithm: str, hash_thread: ThreadPoolExecutor
+) -> FileEntry:
+    """Write one file and hash it on the way (checkpointer.py's [hash while writing]): each piece is queued
+    for hashing on ``hash_thread``, then written; returns its manifest entry.
+
+    Example:
+        >>> import tempfile
+        >>> from torchckpt.state.storage import open_storage
+        >>> tmp = tempfile.TemporaryDirectory(); writer = open_storage(tmp.name).begin_step(1)
+        >>> with ThreadPoolExecutor(max_workers=1) as pool:
+        ...     write_hashed(writer, "a.bin", [b"abc"], "sha256", pool).size_bytes
+        3
+        >>> writer.abort(); tmp.cleanup()
+    """
+    hasher = new_hasher(algorithm)
+    updates: list[Future[None]] = []
+
+    def hashed_pieces() -> Iterator[memoryview]:
+        for piece in split_pieces(chunks):
+            updates.append(hash_thread.submit(hasher.update, piece))  # one worker: pieces hash in order
+            yield piece
+
+    size_bytes = writer.write(name, hashed_pieces(), sum(memoryview(chunk).nbytes for chunk in chunks))
+    for update in updates:
+        update.result()
+    return FileEntry(size_bytes=size_bytes, hash=hasher.hexdigest())

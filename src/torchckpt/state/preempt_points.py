@@ -1,0 +1,83 @@
+"""Where a preemption may save at once: the main thread waiting for data between two steps.
+
+preemption.py's [dead workers wait for the safe point]: the handler calls :func:`on_request_for`'s
+callback with the interrupted frame (and again every 50 ms until the process exits). When that frame
+is inside a DataLoader iterator that waits on its data queue, the step the training loop last passed
+to ``maybe_save``/``save`` is complete and nothing has changed it since (the loop is waiting for the
+next batch), so it is saved there and the process exits with code 0, before the iterator can raise
+about workers the same SIGTERM killed. The same check runs when an exception is raised inside that
+wait (a trace function on ``_try_get_data`` frames only, installed once a preemption is requested and
+only if no tracer or debugger is active): the iterator's "DataLoader worker ... exited unexpectedly"
+becomes that save and exit.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+_LOADER_FILES = ("/torch/utils/data/dataloader.py", "/torchdata/stateful_dataloader/stateful_dataloader.py")
+
+
+def waiting_for_data(frame: FrameType | None) -> bool:
+    """True when ``frame`` (or a caller of it) is a DataLoader iterator waiting on its data queue
+    (``_try_get_data``): nothing of the iterator's own bookkeeping is half done there.
+
+    Example:
+        >>> import sys
+        >>> waiting_for_data(sys._getframe())
+        False
+    """
+    while frame is not None:
+        if _is_wait(frame):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _is_wait(frame: FrameType) -> bool:
+    code = frame.f_code
+    return code.co_name == "_try_get_data" and code.co_filename.endswith(_LOADER_FILES)
+
+
+def on_request_for(ckpt: Any) -> Callable[[FrameType | None], None]:
+    """The preemption callback of ``ckpt`` (held weakly: a signal handler never keeps it alive).
+
+    Example:
+        >>> class Job:
+        ...     _resume_point = None
+        >>> job = Job(); callback = on_request_for(job); callback(None)  # not waiting for data: nothing
+    """
+    ref = weakref.ref(ckpt)
+    busy: list[bool] = []
+    traced: list[bool] = []
+
+    def on_exception(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "exception" and issubclass(arg[0], Exception):
+            on_request(frame)  # raises SystemExit(0) after saving, which replaces the loader's error
+        return on_exception
+
+    def on_call(frame: FrameType, event: str, arg: Any) -> Any:
+        return on_exception if event == "call" and _is_wait(frame) else None
+
+    def on_request(frame: FrameType | None) -> None:
+        target = ref()
+        if not traced and sys.gettrace() is None:
+            traced.append(True)
+            sys.settrace(on_call)
+            caller = frame
+            while caller is not None:  # the wait already running, if any
+                if _is_wait(caller):
+                    caller.f_trace = on_exception
+                caller = caller.f_back
+        if not busy and target is not None and target._resume_point is not None and waiting_for_data(frame):
+            busy.append(True)  # a later tick must not start a second save from inside this one
+            if traced and sys.gettrace() is on_call:
+                sys.settrace(None)
+            step, metrics, items = target._resume_point
+            target._save_and_exit(step, metrics, items)  # raises SystemExit(0)
+
+    return on_request

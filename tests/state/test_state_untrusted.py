@@ -1,0 +1,406 @@
+"""Untrusted or racing directories: special files, stray entries, odd sizes, deep JSON, unknown hashes,
+broken RNG entries, lock-free readers racing retention, and imports that would lose data (issue 14)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import run_cli
+from state_helpers import tiny_model, trained
+from state_workers import bitwise_equal
+
+import torchckpt.state.catalog as catalog
+from torchckpt.state import (
+    CheckpointCorruptError,
+    Checkpointer,
+    CheckpointError,
+    CheckpointFallbackWarning,
+    CheckpointMismatchError,
+    UnsafeFileError,
+    export_model_weights,
+    import_torch_save,
+    list_checkpoints,
+    load,
+    verify_checkpoint,
+)
+from torchckpt.state.format import canonical_json, hash_bytes, step_dir_name
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int = 30):
+    """Fail instead of hanging forever (what a FIFO did to every reader)."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _reseal(step_dir: str, mutate) -> None:
+    """Apply ``mutate`` to the manifest body, then make it self-consistent again."""
+    path = os.path.join(step_dir, "manifest.json")
+    body = json.loads(Path(path).read_text())
+    body.pop("manifest_hash")
+    mutate(body)
+    body["manifest_hash"] = hash_bytes(canonical_json(body), "sha256")
+    Path(path).write_text(json.dumps(body))
+
+
+def _plant(step_dir: str, name: str, data: bytes) -> None:
+    Path(step_dir, name).write_bytes(data)
+
+    def listed(body):
+        body["files"][name] = {"size_bytes": len(data), "hash": hash_bytes(data, body["hash_algorithm"])}
+
+    _reseal(step_dir, listed)
+
+
+@pytest.fixture
+def two_steps(run_dir):
+    """Steps 1 and 2 (model + AdamW); returns the model state at step 1."""
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with Checkpointer(run_dir) as ckpt:
+        trained(model, optimizer)
+        ckpt.save(1, model=model, optimizer=optimizer, metrics={"loss": 1.0})
+        at_1 = {k: v.clone() for k, v in model.state_dict().items()}
+        trained(model, optimizer)
+        ckpt.save(2, model=model, optimizer=optimizer, metrics={"loss": 0.5})
+    return at_1
+
+
+def _step2(run_dir: str, name: str | None = None) -> str:
+    return os.path.join(run_dir, step_dir_name(2)) if name is None else os.path.join(run_dir, step_dir_name(2), name)
+
+
+def _restore_falls_back_to_1(run_dir: str, at_1, named: str) -> None:
+    model = tiny_model(7)
+    with Checkpointer(run_dir) as ckpt:
+        with pytest.warns(CheckpointFallbackWarning, match=f"restored step 1; skipped corrupt newer.*{named}"):
+            assert ckpt.restore(model=model, optimizer=torch.optim.AdamW(model.parameters())) == 1
+    assert bitwise_equal(model.state_dict(), at_1)
+
+
+# ----- item 7: special files and symlinks --------------------------------------------------------------
+
+
+def test_fifo_manifest_is_refused_not_waited_on(run_dir, two_steps, capsys):
+    os.remove(_step2(run_dir, "manifest.json"))
+    os.mkfifo(_step2(run_dir, "manifest.json"))
+    with _deadline():
+        [info] = verify_checkpoint(run_dir, step=2)
+        assert not info.valid and "a FIFO (named pipe), not a regular file; refused unread" in info.problem
+        _restore_falls_back_to_1(run_dir, two_steps, "manifest.json")
+        assert run_cli(["ls", run_dir]) == 0
+        assert "FIFO" in capsys.readouterr().out
+        with Checkpointer(run_dir) as ckpt:
+            ckpt.save(3, model=tiny_model())
+    assert verify_checkpoint(run_dir, step=3)[0].valid
+
+
+def test_manifest_symlinked_to_dev_zero_is_refused(run_dir, two_steps):
+    os.remove(_step2(run_dir, "manifest.json"))
+    os.symlink("/dev/zero", _step2(run_dir, "manifest.json"))
+    with _deadline():
+        [info] = verify_checkpoint(run_dir, step=2)
+    assert not info.valid and "a symlink to /dev/zero, outside its step directory; refused unread" in info.problem
+
+
+def test_tensor_file_symlinked_out_of_the_step_is_not_read(run_dir, two_steps, tmp_path):
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.move(_step2(run_dir, "model.safetensors"), outside)  # same bytes: size and hash still match
+    os.symlink(outside, _step2(run_dir, "model.safetensors"))
+    for mode in ("fast", "full"):
+        [info] = verify_checkpoint(run_dir, step=2, verify=mode)
+        assert not info.valid and f"a symlink to {outside}, outside its step directory" in info.problem
+    _restore_falls_back_to_1(run_dir, two_steps, "model.safetensors")
+
+
+def test_symlink_inside_the_step_is_followed(run_dir, two_steps):
+    os.rename(_step2(run_dir, "model.safetensors"), _step2(run_dir, "model.data"))
+    os.symlink("model.data", _step2(run_dir, "model.safetensors"))
+    assert verify_checkpoint(run_dir, step=2)[0].valid
+
+
+def test_manifest_over_64_mib_is_refused_unread(run_dir, two_steps):
+    with open(_step2(run_dir, "manifest.json"), "r+b") as handle:
+        handle.truncate(65 << 20)  # sparse
+    [info] = verify_checkpoint(run_dir, step=2)
+    assert not info.valid and f"holds {(64 << 20) + 1} bytes or more; at most {64 << 20} are read" in info.problem
+
+
+# ----- item 8: clear errors or a fallback instead of crashes ---------------------------------------------
+
+
+def test_unreadable_file_in_newest_step_falls_back_naming_it(run_dir, two_steps, monkeypatch):
+    target = _step2(run_dir, "model.safetensors")
+    os.chmod(target, 0)
+    real_open = os.open
+
+    def deny(path, flags, *args, **kwargs):  # root ignores chmod: refuse as the kernel would for a user
+        if os.fspath(path) == target:
+            raise PermissionError(13, "Permission denied", target)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", deny)
+    [info] = verify_checkpoint(run_dir, step=2)
+    assert info.problems == {target: "unreadable: permission denied (Permission denied). "
+                                     "Fix: chmod/chown it so this user can read it"}
+    _restore_falls_back_to_1(run_dir, two_steps, "model.safetensors")
+
+
+def test_stray_file_named_like_a_step_is_ignored(run_dir, two_steps, capsys):
+    stray = os.path.join(run_dir, step_dir_name(5))
+    Path(stray).write_text("not a checkpoint")
+    with pytest.warns(CheckpointFallbackWarning, match="a file named like a step directory, not a checkpoint"):
+        assert [info.step for info in list_checkpoints(run_dir)] == [1, 2]
+    with pytest.warns(CheckpointFallbackWarning, match=step_dir_name(5)):
+        assert [info.valid for info in verify_checkpoint(run_dir)] == [True, True]
+    with pytest.warns(CheckpointFallbackWarning, match=step_dir_name(5)):
+        assert run_cli(["verify", run_dir]) == 0
+    assert "step 5" not in capsys.readouterr().out
+    with Checkpointer(run_dir) as ckpt:
+        with pytest.warns(CheckpointFallbackWarning, match=step_dir_name(5)):
+            assert ckpt.restore(model=tiny_model(3)) == 2
+        ckpt.save(5, model=tiny_model())  # replaces the stray file, moved aside as .corrupt-*
+        ckpt.save(6, model=tiny_model())
+        ckpt.save(7, model=tiny_model())
+    assert [info.step for info in verify_checkpoint(run_dir) if info.valid] == [1, 2, 5, 6, 7]
+
+
+def test_verify_streams_hashes_never_holding_a_whole_file(run_dir, two_steps, monkeypatch):
+    size = 40 << 20
+    with open(_step2(run_dir, "big.bin"), "wb") as handle:
+        handle.truncate(size)  # sparse zeros, listed with their true hash
+    _reseal(_step2(run_dir), lambda body: body["files"].update(
+        {"big.bin": {"size_bytes": size, "hash": hash_bytes(bytes(size), body["hash_algorithm"])}}))
+    asked: list[int] = []
+    real_empty = torch.empty
+
+    def spy(*args, **kwargs):
+        asked.append(int(args[0]) if args and isinstance(args[0], int) else 0)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", spy)
+    [info] = verify_checkpoint(run_dir, step=2)
+    monkeypatch.undo()
+    assert info.valid and max(asked, default=0) < size
+    with open(_step2(run_dir, "big.bin"), "r+b") as handle:
+        handle.truncate(64 << 30)  # 64 GiB, sparse: the size check says so before any byte is read
+    [info] = verify_checkpoint(run_dir, step=2)
+    assert info.problems == {_step2(run_dir, "big.bin"): f"size is {64 << 30} bytes, manifest says {size} "
+                                                         "(truncated or overwritten)"}
+
+
+def test_deeply_nested_json_is_corruption_not_recursion_error(run_dir, two_steps):
+    _plant(_step2(run_dir), "optimizer.json", b"[" * 200_000 + b"]" * 200_000)
+    model = tiny_model()
+    with Checkpointer(run_dir) as ckpt, pytest.raises(CheckpointCorruptError,
+                                                      match="optimizer.json: JSON nested too deeply to parse"):
+        ckpt.restore(step=2, model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    _restore_falls_back_to_1(run_dir, two_steps, "optimizer.json")
+    Path(_step2(run_dir, "manifest.json")).write_bytes(b'{"a":' * 200_000 + b"1" + b"}" * 200_000)
+    [info] = verify_checkpoint(run_dir, step=2)
+    assert not info.valid and "JSON nested too deeply to parse" in info.problem
+
+
+def test_unknown_hash_algorithm_makes_one_step_unverifiable(run_dir, two_steps, capsys):
+    _reseal(_step2(run_dir), lambda body: body.update(hash_algorithm="sha3_9000"))
+    infos = verify_checkpoint(run_dir)
+    assert [(i.step, i.valid, i.unverifiable) for i in infos] == [(1, True, False), (2, False, True)]
+    assert "unverifiable: hash algorithm 'sha3_9000' is unknown" in infos[1].problem
+    assert run_cli(["verify", run_dir]) == 1
+    out = capsys.readouterr().out
+    assert "step 1: OK" in out and "step 2: UNVERIFIABLE" in out
+    _restore_falls_back_to_1(run_dir, two_steps, "sha3_9000")
+
+
+def test_malformed_rng_entry_changes_nothing(run_dir, two_steps):
+    state_path = _step2(run_dir, "state.json")
+    state = json.loads(Path(state_path).read_text())
+    state["rng"]["torch_cpu"] = "AAAA"  # valid base64, not a generator state
+    _plant(_step2(run_dir), "state.json", json.dumps(state).encode())
+    model = tiny_model(9)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with Checkpointer(run_dir) as ckpt:
+        with pytest.raises(CheckpointCorruptError, match="state.json: malformed RNG entry"):
+            ckpt.restore(model=model, optimizer=torch.optim.AdamW(model.parameters()), fallback=False)
+    assert bitwise_equal(model.state_dict(), before)
+    _restore_falls_back_to_1(run_dir, two_steps, "malformed RNG entry")
+
+
+def test_ls_escapes_markup_in_metric_names(run_dir, capsys):
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(1, model=tiny_model(), metrics={"[/x]loss": 0.5, "[blink]acc": 0.25})
+    assert run_cli(["ls", run_dir]) == 0
+    out = capsys.readouterr().out
+    assert "[/x]loss=0.5" in out and "[blink]acc=0.25" in out
+
+
+# ----- item 4: imports that lose data ---------------------------------------------------------------------
+
+
+def test_import_reads_a_tensor_step(tmp_path):
+    source = tmp_path / "old.pt"
+    torch.save({"model": tiny_model().state_dict(), "step": torch.tensor(42)}, source)
+    assert import_torch_save(source, tmp_path / "run") == 42
+    assert [info.step for info in list_checkpoints(tmp_path / "run")] == [42]
+
+
+def test_import_refuses_keys_that_would_collapse(tmp_path):
+    source = tmp_path / "old.pt"
+    torch.save({"ema-model": {"w": torch.ones(1)}, "ema_model": {"w": torch.zeros(1)}}, source)
+    with pytest.raises(CheckpointMismatchError, match="keys 'ema-model' and 'ema_model' would both become the "
+                                                      "item 'ema_model'"):
+        import_torch_save(source, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+class Opaque:
+    """A class weights_only loading must refuse."""
+
+
+def test_import_refusal_names_the_refused_class(tmp_path):
+    source = tmp_path / "obj.pt"
+    torch.save({"model": {"w": torch.ones(1)}, "thing": Opaque()}, source)
+    with pytest.raises(UnsafeFileError, match=r"refused it \(it needs [\w.]*Opaque, which is neither a tensor"):
+        import_torch_save(source, tmp_path / "run")
+
+
+def test_import_of_a_text_file_is_a_clear_error(tmp_path, capsys):
+    source = tmp_path / "notes.txt"
+    source.write_text("hello world\n")
+    assert run_cli(["import", str(source), str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"{source}: not a torch.save file (it starts with b'hello wo'" in err and "Traceback" not in err
+
+
+# ----- item 11: lock-free readers ------------------------------------------------------------------------
+
+
+def test_load_takes_no_lock_and_restores(run_dir, two_steps):
+    model = tiny_model(4)
+    with Checkpointer(run_dir) as writer:  # holds the lock
+        writer.save(3, model=model)
+        reader = tiny_model(5)
+        assert load(run_dir, model=reader) == 3
+        assert bitwise_equal(reader.state_dict(), model.state_dict())
+        assert load(run_dir, step=1, model=reader) == 1
+        assert bitwise_equal(reader.state_dict(), two_steps)
+
+
+def test_read_only_checkpointer_restores_beside_a_writer_and_refuses_save(run_dir, two_steps):
+    with Checkpointer(run_dir):
+        with Checkpointer(run_dir, read_only=True) as ckpt:
+            model = tiny_model(6)
+            assert ckpt.restore(model=model, step=1) == 1
+            assert bitwise_equal(model.state_dict(), two_steps)
+            with pytest.raises(CheckpointError, match="is read-only \\(read_only=True\\): it cannot save"):
+                ckpt.save(9, model=model)
+    assert 9 not in [info.step for info in list_checkpoints(run_dir)]
+
+
+def _delete_step_2_after_its_manifest(monkeypatch, run_dir):
+    """Retention by a live writer, deterministically: step 2 vanishes right after its manifest is read."""
+    real = catalog.parse_manifest
+
+    def parse_then_delete(data, path):
+        manifest = real(data, path)
+        if manifest.step == 2 and os.path.isdir(_step2(run_dir)):
+            os.rename(_step2(run_dir), os.path.join(run_dir, ".trash-gone"))
+        return manifest
+
+    monkeypatch.setattr(catalog, "parse_manifest", parse_then_delete)
+
+
+@pytest.mark.parametrize("mode", ["full", "fast"])
+def test_step_deleted_while_verified_is_gone_not_corrupt(run_dir, two_steps, monkeypatch, mode):
+    _delete_step_2_after_its_manifest(monkeypatch, run_dir)
+    assert [(i.step, i.valid) for i in verify_checkpoint(run_dir, verify=mode)] == [(1, True)]
+
+
+def test_reader_racing_retention_moves_on_to_the_next_newest(run_dir, two_steps, monkeypatch):
+    _delete_step_2_after_its_manifest(monkeypatch, run_dir)
+    model = tiny_model(8)
+    with warnings.catch_warnings(), Checkpointer(run_dir) as ckpt:
+        warnings.simplefilter("error")  # a vanished step is not reported as corrupt
+        assert ckpt.restore(model=model) == 1
+    assert bitwise_equal(model.state_dict(), two_steps)
+
+
+# ----- item 12: read only what is asked; messages name the real cause ------------------------------------
+
+
+def test_model_only_restore_does_not_read_optimizer_files(run_dir, two_steps):
+    os.remove(_step2(run_dir, "optimizer.safetensors"))
+    os.remove(_step2(run_dir, "optimizer.json"))
+    with Checkpointer(run_dir) as ckpt:
+        assert ckpt.restore(model=tiny_model(), fallback=False) == 2
+
+
+def test_flipped_manifest_byte_is_corruption_not_an_unfinished_save(run_dir, two_steps):
+    path = _step2(run_dir, "manifest.json")
+    Path(path).write_bytes(Path(path).read_bytes().replace(b'"files"', b'"fil\xffs"'))
+    [info] = verify_checkpoint(run_dir, step=2)
+    assert "corrupt (damaged after it was written)" in info.problem and "did not finish" not in info.problem
+
+
+def test_compiled_prefix_is_named(run_dir):
+    compiled = torch.compile(tiny_model())
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(1, model=compiled)
+    with pytest.raises(CheckpointMismatchError, match="carry torch.compile's '_orig_mod.' prefix"):
+        load(run_dir, model=tiny_model())
+
+
+def test_export_error_names_the_missing_directory(run_dir, two_steps, tmp_path):
+    out = tmp_path / "no" / "such" / "dir" / "w.safetensors"
+    with pytest.raises(CheckpointError, match="its directory does not exist: create it first") as caught:
+        export_model_weights(run_dir, out)
+    assert "free space" not in str(caught.value)
+
+
+def test_readers_beside_a_real_writer_with_keep_last_1_never_see_corruption(run_dir):
+    """The issue's measurement (170 of 937 verify calls said CORRUPT), for 3 s: now none do, and load always
+    finds a step."""
+    import threading
+    import time
+
+    stop = threading.Event()
+    started = threading.Event()
+
+    def write() -> None:
+        model = torch.nn.Linear(64, 64)
+        with Checkpointer(run_dir, keep_last=1) as ckpt:
+            step = 0
+            while not stop.is_set():
+                step += 1
+                ckpt.save(step, model=model)
+                started.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert started.wait(30)
+        calls, end = 0, time.monotonic() + 3
+        while time.monotonic() < end or calls < 20:
+            assert [info.problem for info in verify_checkpoint(run_dir) if not info.valid] == []
+            assert load(run_dir, model=torch.nn.Linear(64, 64)) is not None
+            calls += 1
+    finally:
+        stop.set()
+        writer.join()
