@@ -9,8 +9,6 @@ hand, the floor of the old choice, and ``verify_plan``'s bitwise gradients and b
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,13 +28,7 @@ from torchckpt.planner import (
 from torchckpt.planner import solve as solver
 from torchckpt.planner.make_plan import no_checkpointing_schedule
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class BasicBlock(nn.Module):

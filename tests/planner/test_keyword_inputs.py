@@ -5,7 +5,6 @@ regions read every block call through ``blocks.positional_form`` (one mechanism 
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,13 +17,7 @@ from torchckpt.planner.blocks import positional_form
 from torchckpt.planner.make_plan import plan_pieces
 from torchckpt.planner.plan import PlannedRegion
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Block(nn.Module):
