@@ -124,8 +124,8 @@ def test_in_process_run_and_option_mismatch(tmp_path: Path) -> None:
 
 
 @pytest.mark.xfail(strict=True, reason="a plan the profiler measured (here no checkpointing at 100%) keeps no "
-                   "margin, and the training loop keeps 5,056 bytes alive from its first step on that the profiled "
-                   "step does not have (measured: each meter's baseline grows by 5,056 B after step 1): 3,282,488 B "
+                   "margin, and from its first batch on the loader holds a 5,056-byte uint8 tensor (the sampler's "
+                   "torch.Generator state, kept to resume mid-epoch) that the profiled step does not: 3,282,488 B "
                    "measured against a 3,277,432 B budget")
 def test_train_at_the_no_checkpointing_budget_stays_within_it(tmp_path: Path) -> None:
     import torch
