@@ -56,7 +56,7 @@ def test_a_loop_holding_the_logits_is_planned_with_step_fn() -> None:
     # The built-in step (default_loss finds nanoGPT's loss; the output is deleted before backward).
     costs = profile(model, batch)
     paths = block_paths(model, list(model.blocks))
-    default_plan = plan_from_costs(costs, "70%", block_paths=paths, model_fingerprint=fingerprint(model, batch, paths))
+    default_plan = plan_from_costs(costs, "85%", block_paths=paths, model_fingerprint=fingerprint(model, batch, paths))
     report = torchckpt.verify_plan(model, default_plan, batch, step_fn=keep_logits)
     headroom = int(costs.notes.get("headroom_bytes", 0))  # what the prediction adds above the measured figures
     beyond = report.measured_peak_bytes - (default_plan.predicted_peak_bytes - headroom)
@@ -64,7 +64,7 @@ def test_a_loop_holding_the_logits_is_planned_with_step_fn() -> None:
     assert not report.within_budget
     # The same loop given as step_fn: the prediction covers the loop's measured peak, with no more to
     # spare than a headroom (at most 64 KiB + 0.5% of the no-checkpointing peak).
-    planned = torchckpt.plan(model, batch, budget="70%", step_fn=keep_logits)
+    planned = torchckpt.plan(model, batch, budget="85%", step_fn=keep_logits)
     report = torchckpt.verify_plan(model, planned, batch, step_fn=keep_logits)
     most_headroom = HEADROOM_BYTES + HEADROOM_FRACTION * planned.reference["no_checkpointing_peak_bytes"]
     assert report.measured_peak_bytes <= planned.predicted_peak_bytes + SLACK
