@@ -369,7 +369,7 @@ def test_compiled_prefix_is_named(run_dir):
 
 def test_export_error_names_the_missing_directory(run_dir, two_steps, tmp_path):
     out = tmp_path / "no" / "such" / "dir" / "w.safetensors"
-    with pytest.raises(CheckpointError, match="its directory does not exist: create it first") as caught:
+    with pytest.raises(CheckpointError, match="a directory on the path does not exist: create it first") as caught:
         export_model_weights(run_dir, out)
     assert "free space" not in str(caught.value)
 

@@ -46,27 +46,24 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torchckpt.state.branches import abandon_newer_steps
 from torchckpt.state.capture import (
-    apply_item,
     capture_item,
     capture_rng,
     check_item_name,
-    restore_rng,
 )
 from torchckpt.state.catalog import CheckpointInfo, check_verify_mode, inspect_step
 from torchckpt.state.config import CheckpointerConfig, check_metric_name, check_step
 from torchckpt.state.errors import (
     CheckpointError,
     CheckpointExistsError,
-    CheckpointMismatchError,
 )
 from torchckpt.state.format import Manifest, encode_manifest, metric_value, step_dir_name
 from torchckpt.state.hashed_write import write_hashed
 from torchckpt.state.lifecycle import releaser, track
 from torchckpt.state.preempt_points import on_request_for
 from torchckpt.state.preemption import PreemptionHandler, parse_signals
-from torchckpt.state.reader import read_newest_valid
+from torchckpt.state.reader import apply_snapshot, read_newest_valid
 from torchckpt.state.retention import steps_to_keep
-from torchckpt.state.snapshot import FileChunks, Snapshot, encode_snapshot
+from torchckpt.state.snapshot import FileChunks, encode_snapshot
 from torchckpt.state.staging import HostStaging, changed_only_by_optimizer_steps
 from torchckpt.state.storage import Storage, open_storage
 
@@ -369,28 +366,10 @@ class Checkpointer:
         snapshot = read_newest_valid(self._storage, step=step, verify=verify, fallback=fallback, wanted=set(items))
         if snapshot is None:
             return None
-        self._apply(snapshot, items, rng)
+        rng_mode = rng if rng is not None else (None if self.config.capture_rng else False)
+        apply_snapshot(snapshot, items, rng_mode, self._storage.path_of(step_dir_name(snapshot.step), "state.json"))
         self._last_step = snapshot.step
         return snapshot.step
-
-    def _apply(self, snapshot: Snapshot, items: Mapping[str, Any], rng: bool | None) -> None:
-        state_path = self._storage.path_of(step_dir_name(snapshot.step), "state.json")
-        missing = [name for name in items if name not in snapshot.item_names]
-        if missing:
-            raise CheckpointMismatchError(
-                f"{state_path}: no item(s) {missing}; the checkpoint holds {list(snapshot.item_names)}. "
-                "Fix: pass only items that were saved (names must match the save call)."
-            )
-        if rng and snapshot.rng is None:
-            raise CheckpointMismatchError(
-                f"{state_path}: saved without RNG streams (capture_rng=False or imported). "
-                "Fix: restore(..., rng=None) restores RNG only when it was saved."
-            )
-        for name, obj in items.items():
-            kind, state = snapshot.items[name]
-            apply_item(name, obj, kind, state, state_path)
-        if snapshot.rng is not None and (rng or (rng is None and self.config.capture_rng)):
-            restore_rng(snapshot.rng, state_path)
 
     # ----- inspecting and closing ---------------------------------------------------------
 

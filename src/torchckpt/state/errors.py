@@ -7,6 +7,7 @@ the CLI) can catch one type and print the message without a traceback.
 
 from __future__ import annotations
 
+import errno
 import warnings
 
 
@@ -72,3 +73,26 @@ def warn_fallback(message: str) -> None:
         'CheckpointFallbackWarning'
     """
     warnings.warn(message, CheckpointFallbackWarning, stacklevel=3)
+
+
+_OS_FIXES = {
+    errno.ENOSPC: "free space on that disk or point the Checkpointer at a larger one",
+    errno.EDQUOT: "free space within your quota or write elsewhere",
+    errno.EROFS: ("the filesystem is read-only: write to a writable location (to read checkpoints from read-only "
+                  "storage, use torchckpt.state.load(...) or Checkpointer(dir, read_only=True))"),
+    errno.EACCES: "permission denied: use a directory you may write to (or fix its owner/permissions)",
+    errno.EPERM: "permission denied: use a directory you may write to (or fix its owner/permissions)",
+    errno.ENOENT: "a directory on the path does not exist: create it first or fix the path",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: fix the path",
+    errno.EISDIR: "the path is a directory where a file was expected: fix the path",
+}
+
+
+def fix_for_os_error(error: OSError) -> str:
+    """What to do about a failed filesystem call, from its errno (not always "free space").
+
+    Example:
+        >>> fix_for_os_error(OSError(errno.ENOTDIR, "Not a directory"))
+        'a part of the path is a file, not a directory: fix the path'
+    """
+    return _OS_FIXES.get(error.errno or 0, "check the path, its permissions and the disk")

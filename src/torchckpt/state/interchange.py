@@ -30,6 +30,7 @@ from torchckpt.state.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     UnsafeFileError,
+    fix_for_os_error,
 )
 from torchckpt.state.reader import read_newest_valid
 from torchckpt.state.storage import open_storage
@@ -241,26 +242,6 @@ def _write_safetensors_atomically(tensors: Mapping[str, torch.Tensor], out: str,
     except OSError as error:
         if os.path.exists(temp):
             os.remove(temp)
-        raise CheckpointError(f"{out}: could not write the export ({error}). Fix: {_fix_for(error)}.") from error
-
-
-_FIXES = {
-    errno.ENOSPC: "free space on that disk or write elsewhere",
-    errno.EDQUOT: "free space within your quota or write elsewhere",
-    errno.EROFS: "the filesystem is read-only: write to a writable location",
-    errno.EACCES: "permission denied: write to a directory you may write to (or fix its permissions)",
-    errno.EPERM: "permission denied: write to a directory you may write to (or fix its permissions)",
-    errno.ENOENT: "its directory does not exist: create it first",
-    errno.ENOTDIR: "a part of the path is a file, not a directory: fix the path",
-    errno.EISDIR: "the output path is a directory: pass a file path",
-}
-
-
-def _fix_for(error: OSError) -> str:
-    """What to do about a failed write, from its errno (not always "free space").
-
-    Example:
-        >>> _fix_for(OSError(errno.EROFS, "Read-only file system"))
-        'the filesystem is read-only: write to a writable location'
-    """
-    return _FIXES.get(error.errno or 0, "check the path")
+        raise CheckpointError(
+            f"{out}: could not write the export ({error}). Fix: {fix_for_os_error(error)}."
+        ) from error

@@ -16,6 +16,7 @@ Rules kept here (named in ``docs/design.md``):
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -25,7 +26,7 @@ import time
 import weakref
 from typing import Any
 
-from torchckpt.state.errors import CheckpointLockedError
+from torchckpt.state.errors import CheckpointError, CheckpointLockedError, fix_for_os_error
 
 
 def holder_record() -> dict[str, Any]:
@@ -130,12 +131,7 @@ def acquire(location: str, name: str) -> HeldLock:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
     except OSError as error:
-        kind = "a symlink" if os.path.islink(path) else "not a regular file"
-        raise CheckpointLockedError(
-            f"{path} is {kind} ({error.strerror}); the Checkpointer only locks a regular file it owns, "
-            "so that it never truncates what a link points to. Fix: remove it (`rm` removes the link, not "
-            "its target); the next Checkpointer creates a fresh one."
-        ) from None
+        raise _open_error(path, error) from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise CheckpointLockedError(
@@ -156,3 +152,18 @@ def acquire(location: str, name: str) -> HeldLock:
         os.close(fd)
         raise
     return HeldLock(fd, path)
+
+
+def _open_error(path: str, error: OSError) -> CheckpointError:
+    """Why ``.lock`` could not be opened: a link or a special file (refused), or the filesystem's own cause."""
+    if os.path.islink(path) or error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+        kind = "a symlink" if os.path.islink(path) else "a directory" if os.path.isdir(path) else "not a regular file"
+        return CheckpointLockedError(
+            f"{path} is {kind} ({error.strerror}); the Checkpointer only locks a regular file it owns, "
+            "so that it never truncates what a link points to. Fix: remove it (`rm` removes a link, not "
+            "its target; `rmdir` an empty directory); the next Checkpointer creates a fresh one."
+        )
+    return CheckpointError(
+        f"{path}: cannot create the writer's lock file ({error}); a Checkpointer that saves needs to write "
+        f"in its directory. Fix: {fix_for_os_error(error)}."
+    )

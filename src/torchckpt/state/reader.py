@@ -176,8 +176,11 @@ def read_newest_valid(
     return None
 
 
-def apply_snapshot(snapshot: Snapshot, items: Mapping[str, Any], rng: bool, state_path: str) -> None:
-    """Load a decoded step into live objects (and the RNG streams when ``rng``): every check runs first.
+def apply_snapshot(snapshot: Snapshot, items: Mapping[str, Any], rng: bool | None, state_path: str) -> None:
+    """Load a decoded step into live objects and the RNG streams; every check runs before anything changes.
+
+    ``rng``: True requires saved RNG streams and restores them, None restores them when the step has
+    them, False leaves this process's streams alone.
 
     Example:
         >>> from torchckpt.state.snapshot import encode_snapshot, join_files
@@ -193,12 +196,13 @@ def apply_snapshot(snapshot: Snapshot, items: Mapping[str, Any], rng: bool, stat
         )
     if rng and snapshot.rng is None:
         raise CheckpointMismatchError(f"{state_path}: saved without RNG streams (capture_rng=False or imported). "
-                                      "Fix: pass rng=False.")
+                                      "Fix: pass rng=None (restore them only when saved) or rng=False.")
+    for name, obj in items.items():  # a compiled model's keys are named before any item is loaded
+        check_compiled_keys(name, obj, snapshot.items[name][1], state_path)
     for name, obj in items.items():
         kind, state = snapshot.items[name]
-        check_compiled_keys(name, obj, state, state_path)
         apply_item(name, obj, kind, state, state_path)
-    if rng and snapshot.rng is not None:
+    if rng is not False and snapshot.rng is not None:
         restore_rng(snapshot.rng, state_path)
 
 

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
-from torchckpt.state.errors import CheckpointWriteError
+from torchckpt.state.errors import CheckpointError, CheckpointWriteError, fix_for_os_error
 from torchckpt.state.format import (
     CORRUPT_PREFIX,
     LOCK_NAME,
@@ -100,17 +100,19 @@ def open_storage(location: str | os.PathLike[str]) -> Storage:
 
 
 def write_error(path: str, error: OSError, done_bytes: int, total_bytes: int) -> CheckpointWriteError:
-    """The error a failed write raises: the path, bytes written so far, the reason, and the fix.
+    """The error a failed write raises: the path, bytes written so far, the cause, and its fix.
 
     Example:
         >>> print(write_error("run/x", OSError(errno.ENOSPC, "full"), 1, 4))  # doctest: +ELLIPSIS
         run/x: save failed after writing 1 of 4 bytes: no space left on device ...
+        >>> print(write_error("run/x", OSError(errno.EROFS, "Read-only file system"), 0, 4))  # doctest: +ELLIPSIS
+        run/x: save failed after writing 0 of 4 bytes: read-only file system ... Fix: the filesystem is read-only...
     """
-    reason = "no space left on device" if error.errno == errno.ENOSPC else os.strerror(error.errno or 0)
+    reason = "no space left on device" if error.errno == errno.ENOSPC else os.strerror(error.errno or 0).lower()
     return CheckpointWriteError(
         f"{path}: save failed after writing {done_bytes} of {total_bytes} bytes: {reason} "
         f"({error}). The partial save was discarded; earlier checkpoints are untouched. "
-        "Fix: free space or point the Checkpointer at a larger disk, then save again."
+        f"Fix: {fix_for_os_error(error)}, then save again."
     )
 
 
@@ -219,9 +221,18 @@ class LocalStorage:
             return None
 
     def _ensure_root(self) -> None:
-        if not os.path.isdir(self.location):
+        if os.path.isdir(self.location):
+            return
+        if os.path.lexists(self.location):
+            raise CheckpointError(
+                f"{self.location} is a file, not a directory: a Checkpointer keeps its steps in a directory. "
+                "Fix: pass a directory path (a new one is created), or move the file away.")
+        try:
             os.makedirs(self.location, exist_ok=True)
-            _fsync_dir(os.path.dirname(os.path.abspath(self.location)))  # the new root survives a crash
+        except OSError as error:
+            raise CheckpointError(f"{self.location}: cannot create the checkpoint directory ({error}). "
+                                  f"Fix: {fix_for_os_error(error)}.") from None
+        _fsync_dir(os.path.dirname(os.path.abspath(self.location)))  # the new root survives a crash
 
     def begin_step(self, step: int) -> _LocalStepWriter:
         """Start writing ``step`` into a fresh temp directory ([local commit is a rename])."""
