@@ -365,6 +365,15 @@ def test_compiled_prefix_is_named(run_dir):
         ckpt.save(1, model=compiled)
     with pytest.raises(CheckpointMismatchError, match="carry torch.compile's '_orig_mod.' prefix"):
         load(run_dir, model=tiny_model())
+    plain = tiny_model(5)
+    before = {key: value.clone() for key, value in plain.state_dict().items()}
+    extras = {"epoch": 0}
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(2, model=compiled, extras={"epoch": 3})
+        with pytest.raises(CheckpointMismatchError, match="carry torch.compile's '_orig_mod.' prefix"):
+            ckpt.restore(extras=extras, model=plain)  # the writer's restore names it too ...
+    assert extras == {"epoch": 0}  # ... before any item was loaded
+    assert all(torch.equal(plain.state_dict()[key], value) for key, value in before.items())
 
 
 def test_export_error_names_the_missing_directory(run_dir, two_steps, tmp_path):
