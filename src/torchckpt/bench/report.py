@@ -39,7 +39,7 @@ def _plan_at(model: dict[str, Any], peer: dict[str, Any]) -> tuple[dict[str, Any
     """torchckpt's run at ``peer``'s measured peak, and how it was chosen.
 
     The plan made with that peak as its budget, when it ran. When the planner refused that budget (it
-    keeps a headroom above its measured floor, so a peak within the headroom of the floor is refused),
+    refuses a peak below its measured floor, and keeps a margin for plans it did not measure),
     the torchckpt run with the largest budget whose *measured* peak is at or below the peer's: chosen by
     budget, never by measured time, so that noise cannot pick the winner."""
     runs = [r for r in model.get("runs", []) if r["kind"] == "torchckpt"]
