@@ -6,6 +6,7 @@ import gc
 
 import pytest
 import torch
+from torch import nn
 
 from torchckpt.memory import MemoryMeter
 
@@ -150,3 +151,25 @@ def test_cuda_meter_follows_allocator() -> None:
         assert meter.current_bytes == 4 * 2**20
         del x
     assert meter.peak_bytes == 4 * 2**20
+
+
+def test_device_of_names_the_device_a_step_is_measured_on() -> None:
+    from torchckpt.memory import device_of, synchronize
+
+    assert device_of(nn.Linear(2, 2)) == torch.device("cpu")
+    assert device_of(nn.ReLU()) == torch.device("cpu")  # nothing to place: the CPU
+    assert device_of(nn.Linear(2, 2, device="meta")) == torch.device("cpu")  # meta tensors hold no memory
+    synchronize(torch.device("cpu"))  # a no-op, and no error
+    with pytest.raises(TypeError, match=r"device_of\(\) takes an nn.Module; got function"):
+        device_of(lambda x: x)  # type: ignore[arg-type]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_of_refuses_a_model_split_across_devices() -> None:
+    from torchckpt.memory import device_of
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).cuda())
+    with pytest.raises(ValueError, match=r"live on several devices \(cpu, cuda:0\).*model.to\(device\)"):
+        device_of(model)
+    assert device_of(model.cuda()) == torch.device("cuda", torch.cuda.current_device())

@@ -1,6 +1,6 @@
 """Memory measurement: exact live tensor bytes on CPU, allocator statistics on CUDA, process RSS."""
 
-from torchckpt.memory.meter import MemoryBreakdown, MemoryMeter
+from torchckpt.memory.meter import MemoryBreakdown, MemoryMeter, device_of, synchronize
 from torchckpt.memory.rss import read_rss_bytes, reset_peak_rss
 
-__all__ = ["MemoryMeter", "MemoryBreakdown", "read_rss_bytes", "reset_peak_rss"]
+__all__ = ["MemoryMeter", "MemoryBreakdown", "device_of", "synchronize", "read_rss_bytes", "reset_peak_rss"]

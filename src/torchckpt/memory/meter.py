@@ -46,7 +46,44 @@ from torch.utils._pytree import tree_flatten
 
 from torchckpt.memory.rss import read_rss_bytes, reset_peak_rss
 
-__all__ = ["MemoryMeter", "MemoryBreakdown"]
+__all__ = ["MemoryMeter", "MemoryBreakdown", "device_of", "synchronize"]
+
+
+def device_of(module: torch.nn.Module) -> torch.device:
+    """The one device a module's parameters and buffers live on: the device a meter of its step watches.
+
+    A module without parameters or buffers is taken to run on the CPU; one that spans devices is refused
+    (the planner measures one device).
+
+    Example:
+        >>> device_of(torch.nn.Linear(2, 2))
+        device(type='cpu')
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"device_of() takes an nn.Module; got {type(module).__name__}")
+    devices = {t.device for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta"}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ValueError(f"{type(module).__name__}'s parameters and buffers live on several devices ({names}); "
+                         "torchckpt measures a step on one device. Fix: move the model to one device "
+                         "(model.to(device)) before planning")
+    device = devices.pop() if devices else torch.device("cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{type(module).__name__} lives on {device}; torchckpt measures CPU and CUDA only. "
+                         "Fix: move it to 'cpu' or a CUDA device")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); a no-op on the CPU, whose ops finish when they return.
+
+    Example:
+        >>> synchronize(torch.device("cpu"))
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass(frozen=True, kw_only=True)

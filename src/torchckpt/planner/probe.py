@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from torchckpt.executor.checkpoint import can_keep
 from torchckpt.executor.policies import TAG_STATE, op_name
-from torchckpt.memory import MemoryMeter
+from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner.blocks import block_paths, describe_paths, positional_form, structure_key
 from torchckpt.planner.runner import StepRunner
 
@@ -114,8 +114,9 @@ class _Recorder(TorchDispatchMode):
     the allocator reuses the address of a freed storage at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         super().__init__()
+        self.device = device or torch.device("cpu")  # CUDA ops are timed to their end, not to their launch
         self.block: _BlockTrace | None = None
         self.block_index: int | None = None  # the index of ``block``
         self._created: dict[int, tuple[_BlockTrace, int]] = {}  # id(storage) -> (block, op index)
@@ -137,8 +138,10 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         inputs = {id(t.untyped_storage()) for t in flat_args if isinstance(t, torch.Tensor)}
         tag_name = TAG_STATE.pending_name if func is _TAG else None
+        synchronize(self.device)
         start = time.perf_counter()
         out = func(*args, **kwargs)
+        synchronize(self.device)
         elapsed = time.perf_counter() - start
         index = len(block.ops)
         # A value written in place is never served from a cache (Note: [a value written in place is recomputed]).
@@ -237,6 +240,7 @@ class Probe:
             trace.side_inputs = _side_inputs((args, kwargs), x)
             trace.before_forward = self.meter.current_bytes
             self.meter.reset_peak()
+            synchronize(self.meter.device)
             trace.forward_s = time.perf_counter()
             if x is not None and x.requires_grad:
                 self._handles.append(x.register_hook(self._backward_end(i)))
@@ -249,6 +253,7 @@ class Probe:
     def _post(self, i: int) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             trace = self.traces[i]
+            synchronize(self.meter.device)
             trace.forward_s = time.perf_counter() - trace.forward_s
             if self.recorder is not None:
                 self.recorder.block, self.recorder.block_index = None, None
@@ -340,14 +345,15 @@ def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bo
         [1, 1]
         >>> runner.clear_grads()
     """
-    recorder = _Recorder() if record_ops else None
+    device = runner.device
+    recorder = _Recorder(device) if record_ops else None
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         if recorder is not None and recorder.block is not None:
             recorder.mark_saved(tensor)
         return tensor
 
-    with MemoryMeter() as meter:
+    with MemoryMeter(device) as meter:
         probe = Probe(blocks, meter, recorder)
         try:
             if recorder is not None:

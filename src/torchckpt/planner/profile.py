@@ -69,7 +69,7 @@ from torch import nn
 from torchckpt._host import paused_gc, preserved_state
 from torchckpt.executor import CheckpointHandle, checkpoint_modules
 from torchckpt.executor.kv_cache import kv_cache_off
-from torchckpt.memory import MemoryMeter
+from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner import solve as solver
 from torchckpt.planner.apply import wrap_region
 from torchckpt.planner.blocks import block_paths, resolve_blocks
@@ -165,9 +165,12 @@ def _timed_step(runner: StepRunner) -> float:
     """Seconds of one bare training step (forward and backward, no meter and no probe), gradients dropped;
     the garbage collector runs before it and not during it (as ``timeit`` does)."""
     runner.clear_grads()
+    device = runner.device
     with paused_gc():
+        synchronize(device)
         start = time.perf_counter()
         runner.forward_backward()
+        synchronize(device)  # on CUDA the step has only been queued when forward_backward returns
         elapsed = time.perf_counter() - start
     runner.clear_grads()
     return elapsed
@@ -186,7 +189,7 @@ def _region_residue(runner: StepRunner, blocks: list[nn.Module], costs: ChainCos
     wrap_region(PlannedRegion(start=0, stop=stop, inner=inner), blocks, wrapped)
     try:
         runner.clear_grads()
-        with MemoryMeter() as meter:
+        with MemoryMeter(runner.device) as meter:
             runner.forward_backward()
     finally:
         CheckpointHandle(wrapped).remove()

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchckpt.memory import device_of
+
 __all__ = ["StepFn", "StepRunner", "call_model", "default_loss"]
 
 StepFn = Callable[[nn.Module, Any], Any]
@@ -170,6 +172,11 @@ class StepRunner:
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"{name} must be callable; got {type(value).__name__}")
+
+    @property
+    def device(self) -> torch.device:
+        """The device the model lives on, whose memory a measured step watches (``memory.device_of``)."""
+        return device_of(self.model)
 
     def forward_backward(self) -> torch.Tensor | None:
         """Forward, loss, backward; returns the detached loss (None when ``step_fn`` returns none). Gradients

@@ -23,7 +23,7 @@ from torchckpt._host import host_bytes, paused_gc, preserved_rng, preserved_stat
 from torchckpt._units import format_bytes
 from torchckpt.executor.compiled import refuse_compiled
 from torchckpt.executor.kv_cache import kv_cache_off
-from torchckpt.memory import MemoryMeter
+from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner.apply import apply_plan
 from torchckpt.planner.plan import Plan
 from torchckpt.planner.runner import StepFn, StepRunner
@@ -80,8 +80,10 @@ def _measured_step(runner: StepRunner, seed: int) -> tuple[int, float, list[tupl
     # and come back however the step ends; every measured step draws from the same seed.
     with preserved_rng():
         torch.manual_seed(seed)
+        device = runner.device
+        synchronize(device)
         start = time.perf_counter()
-        with MemoryMeter() as meter:
+        with MemoryMeter(device) as meter:  # on CUDA it synchronizes at exit, so the time is the step's
             runner.forward_backward()
         elapsed = time.perf_counter() - start
     grads = [(None if p.grad is None else host_bytes(p.grad), p.dtype) for p in runner.model.parameters()]

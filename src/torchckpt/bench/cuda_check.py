@@ -1,0 +1,306 @@
+"""The CUDA validation kit: the checks a session lent a GPU runs once (``bench/cuda_check.sh``).
+
+Four sections, each recorded as ``ok`` or ``failed`` with the error, so that one failure loses nothing
+else; the results file is rewritten after every section, so a run cut short keeps what it finished:
+
+1. ``meter``: ``MemoryMeter`` on the device against analytic bytes and the caching allocator's own
+   ``max_memory_allocated`` / ``max_memory_reserved``.
+2. ``decoder``: an HF Llama built from a config (about 0.56 B parameters; a tiny one with ``--quick``),
+   planned at ``--budget`` and checked with ``verify_plan``: predicted against measured peak (allocated),
+   the reserved peak of a step under the plan, gradients and buffers against the model without a plan,
+   and the time planning took.
+3. ``speed``: the same model, steps interleaved over rounds: no checkpointing, ``torch.utils.checkpoint``
+   around every block, torchtitan's selective-op checkpointing (both by torch's own mechanisms,
+   ``bench.methods``) and a torchckpt plan made at the every-block method's measured peak; median step
+   time with min-max, peaks, and the ratio to every block.
+4. ``state``: an async ``Checkpointer`` save of the CUDA model and its AdamW state (the staging buffer is
+   pinned for CUDA tensors), restored bitwise into a fresh model; blocking and total save times.
+
+``--device cpu --quick`` runs the same code on the CPU in seconds; ``tests/bench/test_cuda_check.py``
+does, so every path but the CUDA calls themselves is exercised without a GPU.
+
+Example:
+    >>> import tempfile
+    >>> out = tempfile.mkdtemp()
+    >>> path = main(["--device", "cpu", "--quick", "--only", "meter", "--out", out])
+    >>> json.load(open(path))["sections"]["meter"]["status"]
+    'ok'
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchckpt.memory import MemoryMeter, synchronize
+
+__all__ = ["SECTIONS", "main"]
+
+SECTIONS = ("meter", "decoder", "speed", "state")
+_MIB = 1 << 20
+
+
+def _git_commit() -> str:
+    try:
+        found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return found.stdout.strip() if found.returncode == 0 else "unknown"
+
+
+def _reserved(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+
+
+def check_meter(device: torch.device) -> dict[str, Any]:
+    """Three allocations whose peak is known: 16 MiB + 16 MiB, free one, then 32 MiB (peak 48 MiB)."""
+    n = 4 * _MIB  # float32 elements: 16 MiB
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start_allocated = torch.cuda.memory_allocated(device)
+    with MemoryMeter(device, include_existing=False) as meter:
+        a = torch.empty(n, device=device)
+        b = torch.empty(n, device=device)
+        del a
+        c = torch.empty(2 * n, device=device)
+        del b, c
+    result: dict[str, Any] = {"analytic_peak_bytes": 48 * _MIB, "meter_peak_bytes": meter.peak_bytes,
+                              "meter_exact": meter.peak_bytes == 48 * _MIB}
+    if device.type == "cuda":
+        allocator_peak = torch.cuda.max_memory_allocated(device) - start_allocated
+        result.update(allocator_peak_bytes=allocator_peak, reserved_peak_bytes=torch.cuda.max_memory_reserved(device),
+                      meter_equals_allocator=meter.peak_bytes == allocator_peak)
+    return result
+
+
+def build_decoder(quick: bool, device: torch.device, batch_size: int, seq_len: int) -> tuple[Any, dict, list]:
+    """An HF Llama from a config, on ``device``, with a batch of token ids as its own labels."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes: dict[str, Any] = (dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2) if quick else
+             dict(vocab_size=32000, hidden_size=1280, intermediate_size=3456, num_hidden_layers=24,
+                  num_attention_heads=20, num_key_value_heads=4))
+    sizes.update(max_position_embeddings=max(seq_len, 16), use_cache=False, attn_implementation="sdpa")
+    config = LlamaConfig(**sizes)
+    torch.manual_seed(0)
+    model: Any = LlamaForCausalLM(config)
+    model = model.to(device).train()
+    ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), device=device)
+    return model, {"input_ids": ids, "labels": ids}, list(model.model.layers)
+
+
+def _step(model: Any, batch: dict, device: torch.device) -> tuple[float, int, int | None]:
+    """One forward and backward, gradients dropped: (seconds, allocated peak, reserved peak)."""
+    from torchckpt.planner.runner import StepRunner
+
+    runner = StepRunner(model, batch)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    synchronize(device)
+    start = time.perf_counter()
+    with MemoryMeter(device) as meter:  # synchronizes at exit on CUDA
+        runner.forward_backward()
+    elapsed = time.perf_counter() - start
+    runner.clear_grads()
+    return elapsed, meter.peak_bytes, _reserved(device)
+
+
+def check_decoder(device: torch.device, quick: bool, budget: str, batch_size: int, seq_len: int) -> dict[str, Any]:
+    """Plan the decoder at ``budget``, verify it, and measure the reserved peak of a step under the plan."""
+    import torchckpt
+
+    model, batch, _ = build_decoder(quick, device, batch_size, seq_len)
+    parameters = sum(p.numel() for p in model.parameters())
+    start = time.perf_counter()
+    plan = torchckpt.plan(model, batch, budget=budget)
+    planning_s = time.perf_counter() - start
+    report = torchckpt.verify_plan(model, plan, batch)
+    handle = torchckpt.apply(model, plan)
+    try:
+        _, allocated, reserved = _step(model, batch, device)
+    finally:
+        handle.remove()
+    return {"parameters": parameters, "batch": [batch_size, seq_len], "budget": budget,
+            "budget_bytes": plan.budget_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "measured_peak_bytes": report.measured_peak_bytes, "within_budget": report.within_budget,
+            "prediction_error": report.prediction_error,
+            "no_checkpointing_peak_bytes": report.no_checkpointing_peak_bytes,
+            "step_peak_allocated_bytes": allocated, "step_peak_reserved_bytes": reserved,
+            "gradients_equal": report.gradients_equal, "max_gradient_difference": report.max_gradient_difference,
+            "buffers_equal": report.buffers_equal, "planning_s": planning_s,
+            "plan_step_s": report.step_time_s, "plain_step_s": report.no_checkpointing_step_time_s}
+
+
+def _applied(spec: Any, model: Any, blocks: list, batch: dict) -> Callable[[], None]:
+    """Apply a peer method (``bench.methods``) to ``model``; returns its undo."""
+    from torchckpt.bench.methods import apply_method
+
+    return apply_method(spec, model, blocks, batch)[1]
+
+
+def check_speed(device: torch.device, quick: bool, batch_size: int, seq_len: int, rounds: int) -> dict[str, Any]:
+    """Interleaved steps of each method on one model; the plan gets every block's measured peak as budget."""
+    import torchckpt
+    from torchckpt.bench.methods import MethodSpec, apply_method
+
+    model, batch, blocks = build_decoder(quick, device, batch_size, seq_len)
+    every = MethodSpec(kind="every_block", label="torch.utils.checkpoint every block")
+    _, undo = apply_method(every, model, blocks, batch)
+    try:
+        _step(model, batch, device)  # warm-up
+        every_peak = _step(model, batch, device)[1]
+    finally:
+        undo()
+    methods: dict[str, Callable[[], Callable[[], None]]] = {}
+    for kind, label in (("none", "no checkpointing"), ("every_block", every.label),
+                        ("selective_op", "selective op (torchtitan)")):
+        methods[label] = functools.partial(_applied, MethodSpec(kind=kind, label=label), model, blocks, batch)
+    result: dict[str, Any] = {"every_block_peak_bytes": every_peak}
+    try:
+        plan = torchckpt.plan(model, batch, budget=every_peak)
+        methods["torchckpt plan at every block's peak"] = lambda: torchckpt.apply(model, plan).remove
+        result["plan_predicted_peak_bytes"] = plan.predicted_peak_bytes
+    except torchckpt.InfeasibleBudgetError as error:
+        result["plan"] = f"n/a: {error}"
+    samples: dict[str, list[tuple[float, int]]] = {label: [] for label in methods}
+    for r in range(rounds + 1):  # round 0 warms every method up and is not counted
+        labels = list(methods)
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            remove = methods[label]()
+            try:
+                seconds, peak, _ = _step(model, batch, device)
+            finally:
+                remove()
+            if r:
+                samples[label].append((seconds, peak))
+    rows = {label: {"median_s": statistics.median(s for s, _ in got), "min_s": min(s for s, _ in got),
+                    "max_s": max(s for s, _ in got), "peak_bytes": max(p for _, p in got), "steps": len(got)}
+            for label, got in samples.items()}
+    base = rows[every.label]["median_s"]
+    for row in rows.values():
+        row["speedup_vs_every_block"] = base / row["median_s"]
+    result["methods"] = rows
+    return result
+
+
+def check_state(device: torch.device) -> dict[str, Any]:
+    """Async save of a model and AdamW state on ``device``, restore into a fresh model, compare bitwise."""
+    from torchckpt.state import Checkpointer
+
+    def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024))
+        model = model.to(device)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    model, optimizer = build(0)
+    model(torch.randn(8, 1024, device=device)).square().mean().backward()
+    optimizer.step()
+    with tempfile.TemporaryDirectory() as folder:
+        with Checkpointer(folder, async_save=True) as ckpt:
+            synchronize(device)
+            start = time.perf_counter()
+            ckpt.save(1, model=model, optimizer=optimizer)
+            blocking_s = time.perf_counter() - start
+            ckpt.wait()
+            total_s = time.perf_counter() - start
+            valid = [info.valid for info in ckpt.list(verify="full")]
+        fresh, fresh_optimizer = build(1)
+        with Checkpointer(folder, read_only=True) as reader:
+            step = reader.restore(model=fresh, optimizer=fresh_optimizer)
+    same_model = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    saved, restored = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+    same_optimizer = saved.keys() == restored.keys() and all(
+        torch.equal(saved[k][name], restored[k][name]) for k in saved for name in saved[k])
+    tensors = [*model.state_dict().values(), *(v for entry in saved.values() for v in entry.values())]
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return {"state_bytes": state_bytes, "blocking_s": blocking_s, "total_s": total_s, "valid": valid,
+            "restored_step": step, "model_bitwise": same_model, "optimizer_bitwise": same_optimizer,
+            "restored_device": str(next(fresh.parameters()).device)}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m torchckpt.bench.cuda_check", description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a dry run")
+    parser.add_argument("--quick", action="store_true", help="a tiny decoder and 2 rounds (seconds)")
+    parser.add_argument("--budget", default=None, help="the decoder's budget (default 50%%; 85%% with --quick)")
+    parser.add_argument("--batch-size", type=int, default=None, help="default 4 (2 with --quick)")
+    parser.add_argument("--seq-len", type=int, default=None, help="default 2048 (32 with --quick)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per method; default 5 (2 with --quick)")
+    parser.add_argument("--only", action="append", choices=SECTIONS, help="run only these sections (repeatable)")
+    parser.add_argument("--out", default="bench/results", help="folder for cuda-*.json (default bench/results)")
+    parser.add_argument("--commit", default=None, help="the commit tested (default: git rev-parse HEAD)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    """Run the sections, write ``OUT/cuda-<device>-<time>.json`` after each, and return its path.
+
+    Example: see the module docstring.
+    """
+    args = _parser().parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = torch.device("meta")  # refused just below, with the same message as any other device
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"torchckpt cuda_check: --device {args.device}: use cuda, cuda:N or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("torchckpt cuda_check: CUDA is not available here; pass --device cpu for a dry run")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    batch_size = args.batch_size or (2 if args.quick else 4)
+    seq_len = args.seq_len or (32 if args.quick else 2048)
+    rounds = args.rounds or (2 if args.quick else 5)
+    budget = args.budget or ("85%" if args.quick else "50%")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    results: dict[str, Any] = {
+        "commit": args.commit or _git_commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": str(device), "device_name": name, "torch": torch.__version__, "python": platform.python_version(),
+        "host": platform.node(), "cpu_count": os.cpu_count(), "quick": args.quick, "sections": {}}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    slug = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-") or "device"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"cuda-{slug}-{stamp}.json"
+    checks: dict[str, Callable[[], dict[str, Any]]] = {
+        "meter": lambda: check_meter(device),
+        "decoder": lambda: check_decoder(device, args.quick, budget, batch_size, seq_len),
+        "speed": lambda: check_speed(device, args.quick, batch_size, seq_len, rounds),
+        "state": lambda: check_state(device),
+    }
+    for section in SECTIONS:
+        if args.only and section not in args.only:
+            continue
+        start = time.perf_counter()
+        try:
+            record = {"status": "ok", **checks[section]()}
+        except Exception as error:  # recorded, so that the other sections still run
+            record = {"status": "failed", "error": f"{type(error).__name__}: {error}",
+                      "traceback": traceback.format_exc(limit=8)}
+        record["seconds"] = time.perf_counter() - start
+        results["sections"][section] = record
+        print(f"cuda_check {section}: {record['status']} ({record['seconds']:.1f} s)", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        path.write_text(json.dumps(results, indent=1, default=str))
+    return str(path)
+
+
+if __name__ == "__main__":
+    print(main())
