@@ -22,7 +22,8 @@ does, so every path but the CUDA calls themselves is exercised without a GPU.
 Example:
     >>> import tempfile
     >>> out = tempfile.mkdtemp()
-    >>> path = main(["--device", "cpu", "--quick", "--only", "meter", "--out", out])
+    >>> path = main(["--device", "cpu", "--quick", "--only", "meter", "--out", out])  # doctest: +ELLIPSIS
+    cuda_check meter: ok (... s)
     >>> json.load(open(path))["sections"]["meter"]["status"]
     'ok'
 """
