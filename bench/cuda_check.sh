@@ -14,7 +14,8 @@ if [ -z "${PY:-}" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"; fi
 fi
 export MALLOC_MMAP_THRESHOLD_=65536 PYTHONUNBUFFERED=1
-commit=$(git rev-parse HEAD 2>/dev/null || echo "${TORCHCKPT_COMMIT:-unknown}")
+# TORCHCKPT_COMMIT first: a copied tree (the device machine) may carry a .git that is not the commit tested.
+commit=${TORCHCKPT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 mkdir -p bench/results
 status=0
 case " $* " in

@@ -12,7 +12,6 @@ import pytest
 import torch
 from state_helpers import tiny_model, trained
 from state_workers import bitwise_equal
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchckpt.state import (
     Checkpointer,
@@ -28,6 +27,9 @@ def _setup(seed: int, tensor_lr: bool = True):
     lr = torch.tensor(0.01) if tensor_lr else 0.01  # a tensor lr puts tensors into the scheduler too
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.8, 0.9))
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=50)
+    # Imported here: the CUDA test below runs where torchdata is not installed (bench/cuda_check.sh).
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
     loader = StatefulDataLoader(list(range(40)), batch_size=4, shuffle=True)
     return model, optimizer, scheduler, loader
 
