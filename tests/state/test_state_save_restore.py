@@ -129,6 +129,7 @@ def test_partial_restore_of_model_only(run_dir):
     assert bitwise_equal(fresh.state_dict(), model.state_dict())
 
 
+@pytest.mark.cuda
 def test_gpu_state_round_trips_when_cuda_present(run_dir):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
