@@ -97,7 +97,8 @@ class Checkpointer:
         self._step_guard: Any = None  # the optimizer-step pre-hook handle while staging may be pending
         self.optimizer_wait_s = 0.0  # time optimizer steps spent waiting for background staging
         self._last_step: int | None = None
-        self._resume_point: tuple[int, Any, Mapping[str, Any]] | None = None  # preempt_points.py
+        # (step, metrics, items, RNG streams) of the last complete step (preempt_points.py)
+        self._resume_point: tuple[int, Any, Mapping[str, Any], dict[str, Any] | None] | None = None
         self._closed = False
         self.read_only = read_only  # no lock, no cleaning, no save: restore/list only (reader.py's rules)
         if read_only:
@@ -154,15 +155,19 @@ class Checkpointer:
             self._save_and_exit(step, metrics, items)
         self._save(step, metrics, items)
 
-    def _save(self, step: int, metrics: Mapping[str, object] | None, items: Mapping[str, Any]) -> None:
+    def _save(self, step: int, metrics: Mapping[str, object] | None, items: Mapping[str, Any],
+              rng: dict[str, Any] | None = None) -> None:
+        """Save ``step``; ``rng`` (the resume point's streams, preempt_points.py) replaces capturing them now."""
         self.wait()  # [one save in flight]
         check_step(step)
-        self._resume_point = (step, metrics, items)  # this step is complete (preempt_points.py)
+        if rng is None and self.config.capture_rng:
+            rng = capture_rng()
+        self._resume_point = (step, metrics, items, rng)  # this step is complete (preempt_points.py)
         self._check_step_free(step)
         checked_metrics = {
             check_metric_name(name): metric_value(name, value) for name, value in (metrics or {}).items()
         }
-        files = self._snapshot(step, items, checked_metrics)  # [async saves copy before returning]
+        files = self._snapshot(step, items, checked_metrics, rng)  # [async saves copy before returning]
         if self.config.async_staging and self._staging.deferred_count:
             self._staged = threading.Event()
             self._step_guard = register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -189,7 +194,10 @@ class Checkpointer:
         self._check_open()
         if self.preemption_requested:
             self._save_and_exit(step, metrics, items)
-        self._resume_point = (step, metrics, items)  # this step is complete
+        # This step is complete; its RNG streams are kept for a save while the next epoch's DataLoader
+        # iterator starts (preempt_points.py: that iterator has drawn from torch's RNG already).
+        rng = capture_rng() if self._preemption is not None and self.config.capture_rng else None
+        self._resume_point = (step, metrics, items, rng)
         if not self._due(step):
             return False
         self.save(step, metrics=metrics, **items)
@@ -211,10 +219,11 @@ class Checkpointer:
         by_time = config.save_every_seconds is not None and elapsed_s >= config.save_every_seconds
         return by_steps or by_time
 
-    def _save_and_exit(self, step: int, metrics: Mapping[str, object] | None, items: Mapping[str, Any]) -> None:
+    def _save_and_exit(self, step: int, metrics: Mapping[str, object] | None, items: Mapping[str, Any],
+                       rng: dict[str, Any] | None = None) -> None:
         signal_name = self._preemption.requested.name  # type: ignore[union-attr]
         if step != self._last_step and step not in self._storage.step_entries():
-            self._save(step, metrics, items)
+            self._save(step, metrics, items, rng)
         self.close()
         print(
             f"torchckpt: {signal_name} received; saved step {step} to {self.directory}; exiting",
@@ -222,9 +231,9 @@ class Checkpointer:
         )
         raise SystemExit(0)
 
-    def _snapshot(self, step: int, items: Mapping[str, Any], metrics: Mapping[str, float]) -> dict[str, FileChunks]:
+    def _snapshot(self, step: int, items: Mapping[str, Any], metrics: Mapping[str, float],
+                  rng: dict[str, Any] | None) -> dict[str, FileChunks]:
         captured = {name: capture_item(name, obj) for name, obj in items.items()}
-        rng = capture_rng() if self.config.capture_rng else None
         staging = self._staging if self.config.async_save else None  # [async saves copy before returning]
         defer = changed_only_by_optimizer_steps(items) if self.config.async_staging else None
         return encode_snapshot(step=step, items=captured, rng=rng, metrics=metrics, staging=staging, defer=defer)

@@ -9,6 +9,15 @@ about workers the same SIGTERM killed. The same check runs when an exception is 
 wait (a trace function on ``_try_get_data`` frames only, installed once a preemption is requested and
 only if no tracer or debugger is active): the iterator's "DataLoader worker ... exited unexpectedly"
 becomes that save and exit.
+
+The RNG streams saved depend on where the wait is. Inside ``__next__`` (the loader's iterator is the
+one the loop is reading) they are those of the moment: nothing draws between the step and that wait,
+and the saved iterator carries the seeds it drew. Inside a new epoch's iterator that is still starting
+(``_reset``, waiting for its workers' first answer) the loader still reports the previous, finished
+iterator, while the new one has already drawn its workers' base seed from torch's RNG; the resumed loop
+starts that epoch again and draws it again, so the streams saved are those captured at the last
+``maybe_save``/``save`` (kept with the resume point). Random numbers the loop itself draws between that
+call and the next epoch's first batch are then not replayed (docs/state.md, preemption).
 """
 
 from __future__ import annotations
@@ -33,6 +42,22 @@ def waiting_for_data(frame: FrameType | None) -> bool:
     """
     while frame is not None:
         if _is_wait(frame):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def starting_epoch(frame: FrameType | None) -> bool:
+    """True when ``frame`` (or a caller of it) is a DataLoader iterator's ``_reset``: a new epoch's iterator
+    waiting for its workers to start (or, with persistent workers, to resume), before its first batch.
+
+    Example:
+        >>> import sys
+        >>> starting_epoch(sys._getframe())
+        False
+    """
+    while frame is not None:
+        if frame.f_code.co_name == "_reset" and frame.f_code.co_filename.endswith(_LOADER_FILES):
             return True
         frame = frame.f_back
     return False
@@ -77,7 +102,9 @@ def on_request_for(ckpt: Any) -> Callable[[FrameType | None], None]:
             busy.append(True)  # a later tick must not start a second save from inside this one
             if traced and sys.gettrace() is on_call:
                 sys.settrace(None)
-            step, metrics, items = target._resume_point
-            target._save_and_exit(step, metrics, items)  # raises SystemExit(0)
+            step, metrics, items, rng = target._resume_point
+            # A new epoch's iterator that is still starting drew from torch's RNG already, and the loader
+            # still reports the previous (finished) iterator: save the streams of the last complete step.
+            target._save_and_exit(step, metrics, items, rng if starting_epoch(frame) else None)  # SystemExit(0)
 
     return on_request
