@@ -6,11 +6,14 @@ import pytest
 import torch
 
 from torchckpt.executor import (
+    Policy,
     RecomputationMismatchError,
     RematError,
     checkpoint,
     checkpoint_modules,
     checkpoint_sequential,
+    recompute_checks,
+    save_ops,
     tag,
 )
 from torchckpt.memory import MemoryMeter
@@ -198,7 +201,7 @@ def test_unknown_policy_name_lists_valid_names() -> None:
 def test_recomputation_with_different_shape_names_op_tensor_and_cause() -> None:
     settings = {"repeat": 2}
     x = torch.randn(3, 4, requires_grad=True)
-    out = checkpoint(lambda x: x.repeat(1, settings["repeat"]).sin(), x)
+    out = checkpoint(lambda x: x.repeat(1, settings["repeat"]).sin(), x, debug=True)
     settings["repeat"] = 3
     with pytest.raises(RecomputationMismatchError,
                        match=r"output 0 of op #0 \(aten.repeat\) had shape \(3, 8\) dtype torch.float32 in the forward "
@@ -210,7 +213,8 @@ def test_recomputation_with_different_shape_names_op_tensor_and_cause() -> None:
 def test_recomputation_with_different_dtype_is_reported() -> None:
     settings = {"dtype": torch.float64}
     x = torch.randn(3, 4, requires_grad=True)
-    out = checkpoint(lambda x: x.to(settings["dtype"]).sin().float(), x)
+    with recompute_checks():  # the context does what debug=True does
+        out = checkpoint(lambda x: x.to(settings["dtype"]).sin().float(), x)
     settings["dtype"] = torch.bfloat16
     with pytest.raises(RecomputationMismatchError, match=r"dtype torch.float64 in the forward pass and shape "
                                                          r"\(3, 4\) dtype torch.bfloat16 in recomputation"):
@@ -220,12 +224,34 @@ def test_recomputation_with_different_dtype_is_reported() -> None:
 def test_recomputation_running_other_ops_is_reported() -> None:
     settings = {"branch": True}
     x = torch.randn(3, 4, requires_grad=True)
-    out = checkpoint(lambda x: (x.sin() if settings["branch"] else x.cos()).exp(), x)
+    out = checkpoint(lambda x: (x.sin() if settings["branch"] else x.cos()).exp(), x, debug=True)
     settings["branch"] = False
     with pytest.raises(RecomputationMismatchError, match=r"diverged from its forward pass at op #0: the forward pass "
                                                          r"ran aten.sin, recomputation ran aten.cos"):
         out.sum().backward()
     assert issubclass(RecomputationMismatchError, RematError)
+
+
+def test_without_checks_a_region_that_keeps_nothing_runs_no_mode_of_ours_and_torch_still_checks() -> None:
+    """Note: [a region that keeps nothing runs on torch's checkpoint alone]: no op is recorded in the forward
+    pass (a policy that is never asked), and a recomputation of a different shape is still refused, by
+    torch's own determinism check."""
+    asked: list[str] = []
+    counting = Policy("counting", lambda op: asked.append(op.name) or False)
+    x = torch.randn(3, 4, requires_grad=True)
+    checkpoint(torch.sin, x, policy=counting).sum().backward()
+    assert asked == ["aten.sin"]  # a policy that may keep something is asked: recorded path
+    asked.clear()
+    checkpoint(torch.sin, x, policy=save_ops([])).sum().backward()
+    checkpoint(torch.sin, x).sum().backward()
+    assert asked == [] and save_ops([]).keeps_nothing and not save_ops([0]).keeps_nothing
+    settings = {"repeat": 2}
+    out = checkpoint(lambda x: x.repeat(1, settings["repeat"]).sin(), x)
+    settings["repeat"] = 3
+    with pytest.raises(torch.utils.checkpoint.CheckpointError, match="metadata"):
+        out.sum().backward()
+    with pytest.raises(TypeError, match="debug"):
+        checkpoint(torch.sin, x, debug="yes")  # type: ignore[arg-type]
 
 
 def test_bad_arguments() -> None:

@@ -42,6 +42,14 @@ Design rules (named so code and tests can point at them; collected in docs/desig
    the forward's: a BatchNorm in training mode normalises with the batch's statistics in both, and only
    its bookkeeping writes are undone. Only what recomputation writes is copied (BatchNorm statistics are
    small), and only while it runs.
+9. **[a region that keeps nothing runs on torch's checkpoint alone]** When the policy keeps nothing
+   (``nothing_saveable``, a plan's block that keeps no op, any nested region) and no check was asked
+   for, the forward pass runs under torch's non-reentrant checkpoint with no dispatch mode of ours:
+   nothing is recorded, so the forward costs what ``torch.utils.checkpoint`` costs. Its recomputation
+   runs under ``UndoOuterWrites`` only (rule 8 holds; the per-op check of rule 3 is skipped, torch's
+   own ``determinism_check`` still compares the recomputed tensors' shapes and dtypes). Rule 3's check
+   runs for every region inside ``recompute_checks()`` (``verify_plan`` uses it) or with
+   ``checkpoint(..., debug=True)``.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchckpt.executor.compiled import refuse_while_compiling
 from torchckpt.executor.outer_writes import WriteLog
+from torchckpt.executor.plain_regions import plain_contexts
 from torchckpt.executor.policies import (
     TAG_STATE,
     OpInfo,
@@ -315,6 +324,7 @@ def checkpoint(
     policy: PolicyLike = None,
     preserve_rng_state: bool = True,
     use_reentrant: bool = False,
+    debug: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` keeping only what ``policy`` saves; recompute the rest in backward.
@@ -326,6 +336,9 @@ def checkpoint(
             callable ``(OpInfo) -> bool``. ``"everything_saveable"`` runs ``fn`` plainly.
         preserve_rng_state: restore RNG state for recomputation (dropout gives identical masks).
         use_reentrant: only ``False`` is accepted (Note: [non-reentrant only]).
+        debug: record the forward pass and check its recomputation op by op
+            (``RecomputationMismatchError``) even when the policy keeps nothing; see
+            ``recompute_checks()`` and Note: [a region that keeps nothing runs on torch's checkpoint alone].
 
     Example:
         >>> layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
@@ -343,11 +356,18 @@ def checkpoint(
             "implementation; remove the use_reentrant argument.")
     if not callable(fn):
         raise TypeError(f"checkpoint(fn, ...): fn must be callable; got {type(fn).__name__}")
+    if not isinstance(debug, bool):
+        raise TypeError(f"checkpoint(debug=...): expected a bool; got {type(debug).__name__}")
     resolved = resolve_policy(policy)
     if resolved is everything_saveable or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if TAG_STATE.active_regions:  # Note: [nested checkpoints keep nothing]
         resolved = nothing_saveable
+    if resolved.keeps_nothing and not debug and not TAG_STATE.checks:
+        # Note: [a region that keeps nothing runs on torch's checkpoint alone]
+        refuse_while_compiling()  # Note: [compiled models are refused]
+        return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+                                           context_fn=plain_contexts, **kwargs)
     region = CheckpointRecord(policy=resolved, fn_name=function_name(fn))
     return run_recorded(region, fn, args, kwargs, preserve_rng_state)
 

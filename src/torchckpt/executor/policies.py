@@ -93,11 +93,14 @@ class Policy:
         Policy('keep_mm')
     """
 
-    def __init__(self, name: str, decide: Callable[[OpInfo], bool]) -> None:
+    def __init__(self, name: str, decide: Callable[[OpInfo], bool], *, keeps_nothing: bool = False) -> None:
         if not callable(decide):
             raise TypeError(f"Policy {name!r}: decide must be callable; got {type(decide).__name__}")
         self.name = name
         self._decide = decide
+        # True when the policy is known to keep no op: the executor then records nothing in the forward
+        # pass (Note: [a region that keeps nothing runs on torch's checkpoint alone]).
+        self.keeps_nothing = keeps_nothing
 
     def __call__(self, op: OpInfo) -> bool:
         return bool(self._decide(op))
@@ -116,7 +119,7 @@ _DOT_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten
 # JAX's dot_general without batch dimensions: 2-D matrix products only.
 _NO_BATCH_DOT_OPS = frozenset({"aten.mm", "aten.addmm"})
 
-nothing_saveable = Policy("nothing_saveable", lambda op: False)
+nothing_saveable = Policy("nothing_saveable", lambda op: False, keeps_nothing=True)
 """Keep nothing: recompute the whole region (classic activation checkpointing)."""
 
 everything_saveable = Policy("everything_saveable", lambda op: True)
@@ -182,7 +185,7 @@ def save_ops(indices: Iterable[int], name: str = "save_ops") -> Policy:
         'save_ops'
     """
     wanted = frozenset(int(i) for i in indices)
-    return Policy(name, lambda op: op.index in wanted)
+    return Policy(name, lambda op: op.index in wanted, keeps_nothing=not wanted)
 
 
 PolicyLike = Policy | str | Callable[[OpInfo], bool] | None
@@ -223,6 +226,7 @@ def resolve_policy(policy: PolicyLike) -> Policy:
 class _TagState(threading.local):
     pending_name: str | None = None
     active_regions: int = 0
+    checks: int = 0  # > 0 inside ``recompute_checks()``: every region records and checks its recomputation
 
 
 TAG_STATE = _TagState()

@@ -21,6 +21,7 @@ from torch import nn
 
 from torchckpt._host import host_bytes, paused_gc, preserved_rng, preserved_state
 from torchckpt._units import format_bytes
+from torchckpt.executor import recompute_checks
 from torchckpt.executor.compiled import refuse_compiled
 from torchckpt.executor.kv_cache import kv_cache_off
 from torchckpt.memory import MemoryMeter, synchronize
@@ -155,7 +156,9 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
         plain_peak, plain_time, plain_grads = _measured_step(runner, seed)
         plain_buffers = _buffer_bytes(model)
         _put_back_buffers(model, start)  # the planned step starts from the same buffers
-        with apply_plan(model, plan):
+        # Every region's recomputation is checked op by op here, also those that keep nothing
+        # (Note: [a region that keeps nothing runs on torch's checkpoint alone]); the step time includes it.
+        with apply_plan(model, plan), recompute_checks():
             peak, step_time, grads = _measured_step(runner, seed)
         differing = _first_difference(_buffer_bytes(model), plain_buffers)
     equal, difference = _compare(grads, plain_grads)
