@@ -73,3 +73,47 @@ def test_a_malformed_budget_is_refused_before_profiling() -> None:
     with pytest.raises(ValueError, match="budget"):
         torchckpt.plan(model, (torch.randn(8, 32),), budget="lots")
     assert calls == []
+
+
+class AuxNet(nn.Module):
+    """Returns an auxiliary ``exp`` of the last hidden state that never reaches the loss (a logged value):
+    ``exp`` saves its own output for backward, a node that never runs."""
+
+    def __init__(self, width: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        for block in self.blocks:
+            x = block(x)
+        return {"loss": self.head(x).pow(2).mean(), "aux": torch.exp(x)}
+
+
+def _live_bytes() -> int:
+    import gc
+
+    gc.collect()
+    with torchckpt.MemoryMeter() as meter:
+        pass
+    return meter.baseline_bytes
+
+
+def test_profiling_leaves_no_tensor_alive_and_the_floor_plan_fits() -> None:
+    """The profiler's saved-tensor hook once returned the tensor itself: an op that saves its own output
+    then kept it (and its graph) alive in a cycle the collector cannot see, 64 KiB per profile here, which
+    counted in every later peak (a floor plan measured 65,536 B over its budget)."""
+    torch.manual_seed(0)
+    model = AuxNet()
+    inputs = (torch.randn(256, 64),)
+    before = _live_bytes()
+    for _ in range(3):
+        costs = torchckpt.profile(model, inputs)
+    assert _live_bytes() == before
+    with pytest.raises(torchckpt.InfeasibleBudgetError) as caught:
+        costs.plan("1%")
+    report = torchckpt.verify_plan(model, costs.plan(caught.value.floor_bytes), inputs)
+    assert report.within_budget and report.gradients_equal and report.buffers_equal
+    assert _live_bytes() == before
+    residuals = torchckpt.saved_residuals(model, *inputs, policy="everything_saveable")
+    assert residuals.residuals and _live_bytes() == before

@@ -143,13 +143,16 @@ def _collect_plain(fn: Callable[..., Any], args: tuple, kwargs: dict, collector:
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         saved.append(tensor)
-        return tensor
+        return tensor.detach()  # not the tensor itself: see planner/probe.py's pack (a cycle the collector misses)
 
     with _Producers() as producers, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         output = fn(*args, **kwargs)
     for tensor in saved:
         key = tensor.untyped_storage().data_ptr()
         collector.add(tensor, "input" if key in inputs else producers.by_storage.get(key, "unknown"))
+    # autograd keeps ``pack`` (and so this list) alive as long as the graph; the list holds the graph's own
+    # outputs: empty it, or the two keep each other alive in a cycle the collector cannot see
+    saved.clear()
     del output
 
 

@@ -351,7 +351,11 @@ def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bo
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         if recorder is not None and recorder.block is not None:
             recorder.mark_saved(tensor)
-        return tensor
+        # A detached alias (same storage, no grad_fn), not the tensor itself: an op that saves its own
+        # output (exp, tanh, sigmoid) would otherwise hold that output, which holds the op's node, in a
+        # reference cycle that Python's collector cannot see; an output that never reaches the loss (an
+        # auxiliary output) then outlived the step, once per profile, and counted in every later peak.
+        return tensor.detach()
 
     with MemoryMeter(device) as meter:
         probe = Probe(blocks, meter, recorder)
