@@ -1,10 +1,15 @@
-"""Step numbers that go backwards start a new branch; a step that failed verification may be saved again."""
+"""Step numbers that go backwards start a new branch; a step that failed verification may be saved again, by
+``maybe_save`` or by a preemption's save."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+from pathlib import Path
 
 import pytest
+import torch
 from state_helpers import tiny_model
 from state_workers import bitwise_equal
 
@@ -62,16 +67,20 @@ def test_a_step_abandoned_twice_keeps_both_copies(run_dir):
     assert _steps_on_disk(run_dir) == [0]
 
 
-def test_a_step_that_failed_verification_is_saved_again_after_fallback(run_dir):
-    model = tiny_model()
-    with Checkpointer(run_dir, save_every_steps=1) as ckpt:
-        assert ckpt.maybe_save(1, model=model) and ckpt.maybe_save(2, model=model)
-    path = os.path.join(run_dir, step_dir_name(2), "model.safetensors")
-    with open(path, "r+b") as handle:  # flip the last byte: same size, so only the hash can tell
+def _flip_last_byte(path: str) -> None:
+    """Same size, so only the hash can tell."""
+    with open(path, "r+b") as handle:
         handle.seek(-1, os.SEEK_END)
         last = handle.read(1)
         handle.seek(-1, os.SEEK_END)
         handle.write(bytes([last[0] ^ 0xFF]))
+
+
+def test_a_step_that_failed_verification_is_saved_again_after_fallback(run_dir):
+    model = tiny_model()
+    with Checkpointer(run_dir, save_every_steps=1) as ckpt:
+        assert ckpt.maybe_save(1, model=model) and ckpt.maybe_save(2, model=model)
+    _flip_last_byte(os.path.join(run_dir, step_dir_name(2), "model.safetensors"))
     restored = tiny_model(seed=3)
     with Checkpointer(run_dir, save_every_steps=1) as ckpt:
         with pytest.warns(CheckpointFallbackWarning, match="skipped corrupt newer step"):
@@ -81,3 +90,47 @@ def test_a_step_that_failed_verification_is_saved_again_after_fallback(run_dir):
     assert [(info.step, info.valid) for info in infos] == [(1, True), (2, True)]
     assert [n for n in os.listdir(run_dir) if n.startswith(CORRUPT_PREFIX)][0].startswith(
         f"{CORRUPT_PREFIX}{step_dir_name(2)}-")
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "stray file"])
+def test_sigterm_at_a_step_that_is_not_a_valid_checkpoint_saves_it(run_dir, damage):
+    model = tiny_model()
+    with Checkpointer(run_dir, save_every_steps=1) as ckpt:
+        assert ckpt.maybe_save(1, model=model) and ckpt.maybe_save(2, model=model)
+    path = os.path.join(run_dir, step_dir_name(2))
+    if damage == "flipped byte":
+        _flip_last_byte(os.path.join(path, "model.safetensors"))
+    else:
+        shutil.rmtree(path)
+        Path(path).write_text("not a checkpoint")
+    restored = tiny_model(seed=3)
+    ckpt = Checkpointer(run_dir, save_every_steps=100, save_on_preemption=True)
+    with pytest.warns(CheckpointFallbackWarning):
+        assert ckpt.restore(model=restored) == 1
+    with torch.no_grad():
+        restored[0].weight.add_(1.0)  # step 2's progress
+    expected = {key: value.clone() for key, value in restored.state_dict().items()}
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(SystemExit) as caught:
+        ckpt.maybe_save(2, model=restored)  # was skipped ("step 2 exists") yet reported as saved
+    assert caught.value.code == 0
+    infos = verify_checkpoint(run_dir, verify="full")
+    assert [(info.step, info.valid) for info in infos] == [(1, True), (2, True)]
+    again = tiny_model(seed=4)
+    with Checkpointer(run_dir) as reader:
+        assert reader.restore(model=again) == 2
+    assert bitwise_equal(again.state_dict(), expected)
+
+
+def test_sigterm_at_a_valid_committed_step_does_not_save_it_again(run_dir):
+    model = tiny_model()
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(1, model=model)
+        ckpt.save(2, model=model)
+    ckpt = Checkpointer(run_dir, save_every_steps=100, save_on_preemption=True)
+    assert ckpt.restore(model=model, step=1) == 1
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(SystemExit):
+        ckpt.maybe_save(2, model=model)  # step 2 is valid: nothing to save, nothing abandoned
+    assert [(info.step, info.valid) for info in verify_checkpoint(run_dir)] == [(1, True), (2, True)]
+    assert not [n for n in os.listdir(run_dir) if n.startswith(CORRUPT_PREFIX)]

@@ -63,20 +63,23 @@ def test_async_save_failing_at_exit_is_reported_on_stderr(run_dir):
     assert verify_checkpoint(run_dir, verify="full") == []
 
 
+# Parent and child write each line with one os.write (atomic on a pipe): print writes its pieces one by one
+# when PYTHONUNBUFFERED is set, and the two processes' lines then interleaved ("forkedchild refused: ...").
 FORK_SCRIPT = """
 import os, sys, time, torch
 from torchckpt.state import Checkpointer, CheckpointError
+say = lambda line: os.write(1, (line + "\\n").encode())
 ckpt = Checkpointer(sys.argv[1])
 pid = os.fork()
 if pid == 0:  # stands for a DataLoader worker: it outlives its parent
     try:
         ckpt.save(5, model=torch.nn.Linear(2, 2))
-        print("child saved", flush=True)
+        say("child saved")
     except CheckpointError as error:
-        print("child refused:", error, flush=True)
+        say(f"child refused: {error}")
     time.sleep(60)
     os._exit(0)
-print("forked", pid, flush=True)
+say(f"forked {pid}")
 time.sleep(60)
 """
 
@@ -141,3 +144,39 @@ def test_dropped_async_checkpointer_finishes_its_save_first(run_dir):
         except CheckpointLockedError:
             assert time.monotonic() < deadline, "the lock was never released"
             time.sleep(0.05)
+
+
+# An async Checkpointer with preemption handlers dropped while its save is in flight: the save thread drops
+# the last reference, so the finalizer runs there, where signal handlers cannot be changed. {before_drop}
+# runs first (a SIGTERM already recorded starts the 50 ms SIGALRM timer).
+DROP_SCRIPT = """
+import gc, os, signal, sys, time, torch
+from torchckpt.state import Checkpointer
+from torchckpt.state import checkpointer as module
+original = module.Checkpointer._write
+def slow_write(self, *args):
+    time.sleep(0.5)
+    return original(self, *args)
+module.Checkpointer._write = slow_write
+ckpt = Checkpointer(sys.argv[1], save_on_preemption=True, async_save=True)
+ckpt.save(1, model=torch.nn.Linear(4, 4))
+{before_drop}
+del ckpt
+gc.collect()
+time.sleep(1.5)  # the save is committed and the Checkpointer finalized, in the save thread
+print("timer", signal.getitimer(signal.ITIMER_REAL), flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(2)
+print("still alive after SIGTERM", flush=True)
+"""
+
+
+@pytest.mark.parametrize("before_drop", ["", "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)"],
+                         ids=["idle", "preemption-requested"])
+def test_checkpointer_dropped_during_its_async_save_lets_go_of_signals(run_dir, before_drop):
+    done = _run_script(DROP_SCRIPT.format(before_drop=before_drop), run_dir)
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr)
+    assert "timer (0.0, 0.0)" in done.stdout  # the 50 ms timer is stopped, or SIGALRM would kill it later
+    assert "still alive" not in done.stdout
+    [info] = verify_checkpoint(run_dir, verify="full")
+    assert (info.step, info.valid) == (1, True)

@@ -64,3 +64,18 @@ def test_lock_is_private_and_names_no_arguments(run_dir, monkeypatch):
     assert sorted(record) == ["host", "pid", "program", "since_unix_s"]
     assert (record["pid"], record["program"]) == (os.getpid(), "train.py")
     assert "hunter2" not in text
+
+
+def test_a_hard_linked_lock_is_refused_and_its_other_name_untouched(run_dir, tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    os.chmod(target, 0o644)
+    os.makedirs(run_dir)
+    os.link(target, os.path.join(run_dir, ".lock"))  # O_NOFOLLOW does not see a hard link
+    with pytest.raises(CheckpointLockedError, match=r"/\.lock has 2 hard links: .*Fix: remove it"):
+        Checkpointer(run_dir)
+    assert target.read_text() == "keep me"
+    assert oct(os.stat(target).st_mode & 0o777) == "0o644"
+    os.remove(os.path.join(run_dir, ".lock"))  # the fix the message names
+    Checkpointer(run_dir).close()
+    assert target.read_text() == "keep me"

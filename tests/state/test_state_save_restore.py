@@ -19,7 +19,7 @@ from torchckpt.state import (
     CheckpointMismatchError,
     UnsupportedStateError,
 )
-from torchckpt.state.format import parse_step_dir_name
+from torchckpt.state.format import canonical_json, hash_bytes, parse_step_dir_name
 
 
 def _setup(seed: int, tensor_lr: bool = True):
@@ -150,3 +150,77 @@ def test_gpu_state_round_trips_when_cuda_present(run_dir):
         {k: v.cpu() for k, v in fresh.state_dict().items()}, {k: v.cpu() for k, v in model.state_dict().items()}
     )
     assert all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), cuda_rng))
+
+
+class _Picky:
+    """A user object whose load_state_dict refuses what was saved: only loading it can tell."""
+
+    def state_dict(self):
+        return {"version": 1}
+
+    def load_state_dict(self, state):
+        raise ValueError("version 1 is too old")
+
+
+def _restore_fails_and_changes_nothing(run_dir: str, match: str, rng=None, **items) -> None:
+    model = items["model"]
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    extras = dict(items.get("extras", {}))
+    torch_rng = torch.get_rng_state()
+    with Checkpointer(run_dir) as ckpt, pytest.raises(CheckpointMismatchError, match=match):
+        ckpt.restore(rng=rng, **items)
+    assert bitwise_equal(model.state_dict(), before)
+    assert items.get("extras", {}) == extras
+    assert torch.equal(torch.get_rng_state(), torch_rng)
+
+
+def test_optimizer_with_other_param_groups_is_refused_before_the_model_is_loaded(run_dir):
+    model, optimizer, _, _ = _setup(0)
+    trained(model, optimizer)
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(1, model=model, optimizer=optimizer, extras={"epoch": 3})
+    live = tiny_model(9)
+    params = list(live.parameters())
+    two_groups = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}])
+    _restore_fails_and_changes_nothing(run_dir, r"item 'optimizer' .* 2 parameter group\(s\); the saved state has 1",
+                                       model=live, optimizer=two_groups, extras={"epoch": 99})
+    fewer = torch.optim.AdamW(params[:2])
+    _restore_fails_and_changes_nothing(run_dir, r"parameter group 0 holds 2 parameter\(s\); the saved one holds 6",
+                                       model=live, optimizer=fewer, extras={"epoch": 99})
+
+
+def test_module_of_another_shape_is_refused_before_any_item_is_loaded(run_dir):
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(1, model=tiny_model(), extras={"epoch": 3}, other=tiny_model(1))
+    # `other` is checked and refused before `extras` (passed first) is touched
+    _restore_fails_and_changes_nothing(run_dir, r"item 'other' .* size mismatch for 0.weight: saved \[8, 4\], live "
+                                                r"\[3, 3\]", extras={"epoch": 99}, model=tiny_model(5),
+                                       other=torch.nn.Sequential(torch.nn.Linear(3, 3)))
+
+
+def test_saved_cuda_rng_streams_that_cannot_be_restored_are_refused_before_any_item(run_dir):
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(1, model=tiny_model())
+    step_dir = os.path.join(run_dir, "step-000000001")
+    state = json.loads(Path(step_dir, "state.json").read_text())
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    state["rng"]["cuda"] = [state["rng"]["torch_cpu"]] * (found + 1)  # one device more than this machine has
+    data = json.dumps(state).encode()
+    Path(step_dir, "state.json").write_bytes(data)
+    manifest = json.loads(Path(step_dir, "manifest.json").read_text())
+    manifest.pop("manifest_hash")
+    manifest["files"]["state.json"] = {"size_bytes": len(data), "hash": hash_bytes(data, manifest["hash_algorithm"])}
+    manifest["manifest_hash"] = hash_bytes(canonical_json(manifest), "sha256")
+    Path(step_dir, "manifest.json").write_text(json.dumps(manifest))
+    _restore_fails_and_changes_nothing(run_dir, rf"saved RNG streams of {found + 1} CUDA device\(s\), this process "
+                                                rf"has {found}", model=tiny_model(5))
+    model = tiny_model(5)
+    with Checkpointer(run_dir) as ckpt:
+        assert ckpt.restore(model=model, rng=False) == 1  # the fix the message names
+
+
+def test_an_item_that_fails_only_when_loaded_is_loaded_before_the_checked_ones(run_dir):
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(1, extras={"epoch": 3}, model=tiny_model(), picky=_Picky())
+    _restore_fails_and_changes_nothing(run_dir, "item 'picky' .* rejected the saved state: version 1 is too old",
+                                       extras={"epoch": 99}, model=tiny_model(5), picky=_Picky())

@@ -1,5 +1,6 @@
 """Untrusted or racing directories: special files, stray entries, odd sizes, deep JSON, unknown hashes,
-broken RNG entries, lock-free readers racing retention, and imports that would lose data (issue 14)."""
+broken RNG entries, lock-free readers racing retention, and imports that would lose data (issue 14); crafted
+numbers, terminal escapes and imports into a live run (red team, round 2)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torchckpt.state import (
     CheckpointCorruptError,
     Checkpointer,
     CheckpointError,
+    CheckpointExistsError,
     CheckpointFallbackWarning,
     CheckpointMismatchError,
     UnsafeFileError,
@@ -413,3 +415,116 @@ def test_readers_beside_a_real_writer_with_keep_last_1_never_see_corruption(run_
     finally:
         stop.set()
         writer.join()
+
+
+# ----- red team, round 2: numbers no save writes, terminal escapes, imports into a live run ---------------
+
+
+def _one_corrupt_step_blocks_nothing(run_dir: str, at_1, capsys, named: str, file: str = "manifest.json") -> None:
+    """Step 2 is reported corrupt naming ``named``; ls, verify, restore, load and a save with retention go on."""
+    infos = verify_checkpoint(run_dir)
+    assert [(i.step, i.valid) for i in infos] == [(1, True), (2, False)]
+    assert named in infos[1].problem and file in infos[1].problem
+    assert [(i.step, i.valid) for i in list_checkpoints(run_dir)] == [(1, True), (2, False)]
+    assert run_cli(["ls", run_dir]) == 0
+    assert run_cli(["verify", run_dir]) == 1
+    captured = capsys.readouterr()
+    assert "step 2: CORRUPT" in captured.out and "Traceback" not in captured.out + captured.err
+    _restore_falls_back_to_1(run_dir, at_1, file)
+    with pytest.warns(CheckpointFallbackWarning, match=file):
+        assert load(run_dir, model=tiny_model(3)) == 1
+    with Checkpointer(run_dir, keep_last=1) as ckpt:  # saves raised after committing, in retention
+        ckpt.save(3, model=tiny_model())
+    assert [(i.step, i.valid) for i in verify_checkpoint(run_dir)] == [(2, False), (3, True)]
+
+
+def _model_file(**entry):
+    return lambda body: body["files"]["model.safetensors"].update(entry)
+
+
+@pytest.mark.parametrize("crafted, named", [
+    (_model_file(size_bytes=float("inf")), "size_bytes"),
+    (_model_file(size_bytes=True), "size_bytes"),
+    (_model_file(size_bytes=-1), "size_bytes"),
+    (_model_file(hash=7), "hash"),
+    (lambda body: body.update(step=float("inf")), "step"),
+    (lambda body: body.update(step=2.0), "step"),
+    (lambda body: body.update(created_unix_s=float("nan")), "created_unix_s"),
+    (lambda body: body.update(created_unix_s=1e300), "created_unix_s"),
+    (lambda body: body["metrics"].update(loss=True), "metrics"),
+    (lambda body: body["metrics"].update(loss=float("nan")), "metrics"),
+    (lambda body: body.update(files=[]), "files"),
+], ids=["inf-size", "bool-size", "negative-size", "int-hash", "inf-step", "float-step", "nan-time", "huge-time",
+        "bool-metric", "nan-metric", "files-list"])
+def test_crafted_manifest_numbers_make_one_step_corrupt(run_dir, two_steps, capsys, crafted, named):
+    _reseal(_step2(run_dir), crafted)
+    _one_corrupt_step_blocks_nothing(run_dir, two_steps, capsys, named)
+
+
+def test_manifest_number_too_long_to_parse_makes_one_step_corrupt(run_dir, two_steps, capsys):
+    path = _step2(run_dir, "manifest.json")
+    Path(path).write_text(Path(path).read_text().replace("{", '{"pad": ' + "7" * 5000 + ", ", 1))
+    _one_corrupt_step_blocks_nothing(run_dir, two_steps, capsys, "number with more than")
+
+
+@pytest.mark.parametrize("crafted, named", [
+    (lambda text: text.replace("{", '{"pad": ' + "7" * 5000 + ", ", 1), "number with more than"),
+    (lambda text: json.dumps({**json.loads(text), "step": float("inf")}), "step"),
+    (lambda text: json.dumps({**json.loads(text), "step": 7}), "says step 7"),
+    (lambda text: json.dumps({**json.loads(text), "step": True}), "step"),
+], ids=["long-number", "inf-step", "other-step", "bool-step"])
+def test_crafted_state_json_numbers_make_restore_fall_back(run_dir, two_steps, crafted, named):
+    text = Path(_step2(run_dir, "state.json")).read_text()
+    _plant(_step2(run_dir), "state.json", crafted(text).encode())  # resealed: only decoding can tell
+    model = tiny_model(9)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with Checkpointer(run_dir) as ckpt, pytest.raises(CheckpointCorruptError, match=f"state.json: .*{named}"):
+        ckpt.restore(model=model, fallback=False)
+    assert bitwise_equal(model.state_dict(), before)
+    _restore_falls_back_to_1(run_dir, two_steps, "state.json")
+
+
+def test_ls_and_verify_show_control_characters_escaped(tmp_path, capsys):
+    run_dir = str(tmp_path / "run\x1b[31mred")  # a directory name from a glob over someone else's files
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(1, model=tiny_model(), metrics={"\x1b]0;pwned\x07\x1b[2J\x1b[31mloss\x9b": 0.5})
+    os.truncate(os.path.join(run_dir, step_dir_name(1), "model.safetensors"), 10)
+    assert run_cli(["ls", run_dir]) == 0
+    assert run_cli(["verify", run_dir]) == 1
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out
+    assert "\\x1b]0;pwned\\x07\\x1b[2J\\x1b[31mloss\\x9b=0.5" in out
+    assert "run\\x1b[31mred/step-000000001/model.safetensors: size is 10 bytes" in out
+
+
+def test_import_into_a_run_with_newer_steps_is_refused(tmp_path, capsys):
+    run = tmp_path / "run"
+    with Checkpointer(run) as ckpt:
+        ckpt.save(500, model=tiny_model())
+        ckpt.save(600, model=tiny_model())
+    source = tmp_path / "old.pt"
+    torch.save({"model": tiny_model(4).state_dict()}, source)  # no step key: step 0
+    refusal = (r"holds steps up to 600; importing .* as step 0 would .*/abandoned/.*Fix: import into a fresh "
+               r"directory, or pass a step greater than 600")
+    with pytest.raises(CheckpointExistsError, match=refusal):
+        import_torch_save(source, run)
+    with pytest.raises(CheckpointExistsError, match=refusal.replace("step 0", "step 600")):
+        import_torch_save(source, run, step=600)
+    assert run_cli(["import", str(source), str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "pass a step greater than 600 (import_torch_save(step=...) / --step)" in err and "Traceback" not in err
+    assert [(i.step, i.valid) for i in verify_checkpoint(run)] == [(500, True), (600, True)]
+    assert not (run / "abandoned").exists()
+    assert import_torch_save(source, run, step=601) == 601
+
+
+@pytest.mark.parametrize("data, reason", [
+    (b"\x80\x02" + b"\xff" * 100, "Unsupported operand 255"),
+    (b"\x80\x02", "the file ends early"),
+], ids=["bad-opcode", "truncated"])
+def test_import_of_a_broken_pickle_names_a_reason(tmp_path, capsys, data, reason):
+    source = tmp_path / "broken.pt"
+    source.write_bytes(data)
+    assert run_cli(["import", str(source), str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"could not read it ({reason}" in err and "()" not in err and "Traceback" not in err

@@ -3,11 +3,16 @@
 Every command prints a one-line error (no traceback) and exits with 2 when the
 input is unusable; ``verify`` exits with 1 when a checkpoint is corrupt or unverifiable (a
 hash algorithm this torchckpt does not know).
+
+Text that comes from disk (metric names, paths, problems) is printed through :func:`shown`:
+control characters (ESC, BEL, C1 codes, bidirectional overrides) appear as ``\\x1b``-style
+escapes, so whoever wrote the files cannot send the terminal escape sequences.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 import time
@@ -61,10 +66,25 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse
         try:
             return command(args)
         except (CheckpointError, ValueError, OSError) as error:
-            print(f"torchckpt: error: {error}", file=sys.stderr)
+            print(f"torchckpt: error: {shown(str(error))}", file=sys.stderr)
             return 2
 
     return run
+
+
+# C0 and C1 control characters, DEL, and the bidirectional embeddings, overrides and isolates (which
+# reorder what the terminal shows)
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def shown(text: str) -> str:
+    r"""``text`` with every control character replaced by a visible escape, safe to print to a terminal.
+
+    Example:
+        >>> print(shown("\x1b[31mloss\ta\u202e"))
+        \x1b[31mloss\x09a\u202e
+    """
+    return _CONTROL_RE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
 
 
 def format_bytes(size_bytes: int | None) -> str:
@@ -85,7 +105,12 @@ def format_bytes(size_bytes: int | None) -> str:
 
 
 def _format_time(unix_s: float | None) -> str:
-    return "-" if unix_s is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_s))
+    if unix_s is None:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_s))
+    except (OverflowError, ValueError, OSError):  # a date this platform cannot show
+        return "?"
 
 
 def _valid_text(info: CheckpointInfo) -> str:
@@ -101,17 +126,18 @@ def _run_ls(args: argparse.Namespace) -> int:
 
     infos = list_checkpoints(args.directory, verify="full" if args.full else "fast")
     if not infos:
-        print(f"{args.directory}: no checkpoints")
+        print(f"{shown(args.directory)}: no checkpoints")
         return 0
     # Every text from the directory is escaped: a metric name or path like "[/x]" or "[blink]" is shown as
-    # written, never parsed as rich markup (a crash, or terminal styles injected by whoever wrote the files).
-    table = Table(title=f"checkpoints in {escape(args.directory)}")
+    # written, never parsed as rich markup (a crash, or terminal styles injected by whoever wrote the files),
+    # and its control characters are shown as escapes (shown), never sent to the terminal.
+    table = Table(title=f"checkpoints in {escape(shown(args.directory))}")
     for column in ("step", "time", "size", "metrics", "valid"):
         table.add_column(column, overflow="fold")
     for info in infos:
         metrics = " ".join(f"{k}={v:.6g}" for k, v in info.metrics.items())
         table.add_row(str(info.step), _format_time(info.created_unix_s), format_bytes(info.size_bytes),
-                      escape(metrics), escape(_valid_text(info)))
+                      escape(shown(metrics)), escape(shown(_valid_text(info))))
     width = shutil.get_terminal_size(fallback=(160, 24)).columns
     Console(file=sys.stdout, width=max(width, 100)).print(table)
     return 0
@@ -120,7 +146,7 @@ def _run_ls(args: argparse.Namespace) -> int:
 def _run_verify(args: argparse.Namespace) -> int:
     infos = verify_checkpoint(args.directory, step=args.step, verify="fast" if args.fast else "full")
     if not infos:
-        print(f"{args.directory}: no checkpoints to verify")
+        print(f"{shown(args.directory)}: no checkpoints to verify")
         return 1
     for info in infos:
         if info.valid:
@@ -128,17 +154,17 @@ def _run_verify(args: argparse.Namespace) -> int:
             continue
         print(f"step {info.step}: {'UNVERIFIABLE' if info.unverifiable else 'CORRUPT'}")
         for path, problem in (info.problems or {info.path: info.problem or "not valid"}).items():
-            print(f"  {path}: {problem}")
+            print(f"  {shown(path)}: {shown(problem)}")
     return 0 if all(info.valid for info in infos) else 1
 
 
 def _run_export(args: argparse.Namespace) -> int:
     step = export_model_weights(args.directory, args.out, step=args.step, item=args.item)
-    print(f"exported step {step} ({args.item} weights) to {args.out}")
+    print(shown(f"exported step {step} ({args.item} weights) to {args.out}"))
     return 0
 
 
 def _run_import(args: argparse.Namespace) -> int:
     step = import_torch_save(args.file, args.directory, step=args.step)
-    print(f"imported {args.file} as step {step} into {args.directory}")
+    print(shown(f"imported {args.file} as step {step} into {args.directory}"))
     return 0

@@ -13,7 +13,15 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
    values, restored in place. Anything else is an error that says how to make it
    checkpointable, never a silent skip.
 3. **[no half restore]** Restoring applies state only after every item decoded, so
-   a corrupt file never leaves objects half restored.
+   a corrupt file never leaves objects half restored, and only after every check that
+   can be made without loading (:func:`check_item`, :func:`check_rng_devices`): the kind
+   of each item; a module's keys and shapes (keys only when no submodule has its own
+   loading code or hooks); an optimizer's parameter-group count and sizes; the CUDA
+   device count of saved RNG streams. Items that only their own ``load_state_dict`` can
+   check (user objects, schedulers, loaders, modules with their own loading code) are
+   loaded first, in the order passed, then the checked ones: if such an item refuses
+   its state, no checked item and no RNG stream has changed. Only when two of them are
+   passed and the second refuses does the first stay loaded.
 4. **[RNG streams are restored last]** (Note: [restore is bit-exact]) RNG streams
    are restored last, after every item. Every DataLoader iterator draws a base
    seed from torch's global RNG when it is created; the interrupted run drew it at
@@ -111,8 +119,118 @@ def capture_item(name: str, obj: object) -> tuple[str, Any]:
     return kind, state
 
 
+_REBUILD_FIX = "Fix: build the object exactly as in the run that saved it (same model, same parameter groups)."
+
+
+def _rejected(name: str, obj: object, source: str, reason: str) -> CheckpointMismatchError:
+    return CheckpointMismatchError(
+        f"{source}: item {name!r} ({type(obj).__qualname__}) rejected the saved state: {reason}. {_REBUILD_FIX}"
+    )
+
+
+def check_item(name: str, obj: object, kind: str, state: Any, source: str) -> bool:
+    """Raise :class:`CheckpointMismatchError` if ``state`` cannot be loaded into ``obj``, as far as that can be
+    told without loading it; changes nothing ([no half restore]). Returns True when loading cannot fail, False
+    when only ``obj``'s own loading can tell.
+
+    Example:
+        >>> check_item("model", torch.nn.Linear(2, 2), "state_dict", torch.nn.Linear(2, 2).state_dict(), "s.json")
+        True
+        >>> check_item("model", torch.nn.Linear(2, 2), "state_dict", {"weight": torch.zeros(3, 2)},
+        ...            "state.json")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        torchckpt.state.errors.CheckpointMismatchError: state.json: item 'model' (Linear) rejected the saved ...
+    """
+    _check_kind(name, obj, kind, source)
+    if kind == "dict":
+        return True
+    if isinstance(obj, torch.nn.Module):
+        return _check_module(name, obj, state, source)
+    if isinstance(obj, torch.optim.Optimizer):
+        return _check_optimizer(name, obj, state, source)
+    return False
+
+
+def _check_kind(name: str, obj: object, kind: str, source: str) -> None:
+    live_kind = item_kind(name, obj)
+    if live_kind != kind:
+        raise CheckpointMismatchError(
+            f"{source}: item {name!r} was saved as a {kind} but restore got a {live_kind} "
+            f"({type(obj).__qualname__}). Fix: pass the same kind of object that was saved."
+        )
+
+
+def _own_loading_code(module: torch.nn.Module, state: Mapping[str, Any]) -> str | None:
+    """``"user"`` if loading runs code outside torch (an override, hooks), ``"torch"`` if torch's own overrides
+    may change the keys (BatchNorm, InstanceNorm add or drop keys of states saved by an older version of
+    them), else None."""
+    if type(module).load_state_dict is not torch.nn.Module.load_state_dict:
+        return "user"
+    versions = getattr(state, "_metadata", None) or {}
+    found = None
+    for prefix, submodule in module.named_modules():
+        if (submodule._load_state_dict_pre_hooks or submodule._load_state_dict_post_hooks
+                or type(submodule).set_extra_state is not torch.nn.Module.set_extra_state):
+            return "user"
+        loader = type(submodule)._load_from_state_dict
+        if loader is not torch.nn.Module._load_from_state_dict:
+            if not loader.__module__.startswith("torch.nn.modules."):
+                return "user"
+            saved_version = versions.get(prefix, {}).get("version")
+            if not (type(saved_version) is int and saved_version >= type(submodule)._version):
+                found = "torch"  # their overrides only touch states of older versions
+    return found
+
+
+def _check_module(name: str, module: torch.nn.Module, state: Any, source: str) -> bool:
+    own = _own_loading_code(module, state) if isinstance(state, Mapping) else "user"
+    if own == "user":
+        return False
+    live = module.state_dict()
+    problems = []
+    if own is None:  # exactly the keys strict load_state_dict requires
+        missing = [key for key in live if key not in state]
+        unexpected = [key for key in state if key not in live]
+        if missing:
+            problems.append(f"missing key(s) {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+        if unexpected:
+            problems.append(f"unexpected key(s) {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+    sizes = [
+        f"size mismatch for {key}: saved {list(state[key].shape)}, live {list(tensor.shape)}"
+        for key, tensor in live.items()
+        if isinstance(tensor, torch.Tensor) and isinstance(state.get(key), torch.Tensor)
+        and state[key].shape != tensor.shape
+    ]
+    problems.extend(sizes[:10])
+    if problems:
+        raise _rejected(name, module, source, "; ".join(problems))
+    return own is None
+
+
+def _check_optimizer(name: str, optimizer: torch.optim.Optimizer, state: Any, source: str) -> bool:
+    if (type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict
+            or getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", None)
+            or getattr(optimizer, "_optimizer_load_state_dict_post_hooks", None)):
+        return False  # its own loading code may adapt the saved state
+    saved = state.get("param_groups") if isinstance(state, Mapping) else None
+    if not (isinstance(saved, list) and "state" in state
+            and all(isinstance(group, Mapping) and isinstance(group.get("params"), list) for group in saved)):
+        raise _rejected(name, optimizer, source, "it is not an optimizer state_dict (no 'state' and 'param_groups')")
+    live = optimizer.param_groups
+    if len(live) != len(saved):
+        raise _rejected(name, optimizer, source, f"the optimizer has {len(live)} parameter group(s); the saved state "
+                                                 f"has {len(saved)}")
+    for index, (group, saved_group) in enumerate(zip(live, saved)):
+        if len(group["params"]) != len(saved_group["params"]):
+            raise _rejected(name, optimizer, source, f"parameter group {index} holds {len(group['params'])} "
+                                                     f"parameter(s); the saved one holds {len(saved_group['params'])}")
+    return True
+
+
 def apply_item(name: str, obj: object, kind: str, state: Any, source: str) -> None:
-    """Load ``state`` (decoded from ``source``) into the live object.
+    """Load ``state`` (decoded from ``source``) into the live object; restore calls :func:`check_item` on every
+    item first ([no half restore]).
 
     Example:
         >>> extras = {"epoch": 0}
@@ -120,12 +238,7 @@ def apply_item(name: str, obj: object, kind: str, state: Any, source: str) -> No
         >>> extras
         {'epoch': 4}
     """
-    live_kind = item_kind(name, obj)
-    if live_kind != kind:
-        raise CheckpointMismatchError(
-            f"{source}: item {name!r} was saved as a {kind} but restore got a {live_kind} "
-            f"({type(obj).__qualname__}). Fix: pass the same kind of object that was saved."
-        )
+    _check_kind(name, obj, kind, source)
     if kind == "dict":
         live = cast(dict, obj)  # item_kind: type(obj) is dict
         live.clear()
@@ -137,11 +250,7 @@ def apply_item(name: str, obj: object, kind: str, state: Any, source: str) -> No
     try:
         cast(_Stateful, obj).load_state_dict(state)
     except (RuntimeError, ValueError, KeyError, TypeError) as error:
-        raise CheckpointMismatchError(
-            f"{source}: item {name!r} ({type(obj).__qualname__}) rejected the saved state: {error}. "
-            "Fix: build the object exactly as in the run that saved it (same model, same "
-            "parameter groups)."
-        ) from error
+        raise _rejected(name, obj, source, str(error)) from error
     _prime_stateful_loader(obj)
 
 
@@ -241,15 +350,26 @@ def restore_rng(state: Mapping[str, Any], source: str) -> None:
         >>> restore_rng(saved, "state.json"); bool(torch.rand(1) == first)
         True
     """
+    check_rng_devices(state, source)
     cuda_states = list(state["cuda"])
-    if cuda_states:
-        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if found != len(cuda_states):
-            raise CheckpointMismatchError(
-                f"{source}: saved RNG streams of {len(cuda_states)} CUDA device(s), this process "
-                f"has {found}; resume cannot be bit-exact. Fix: run on the same devices, or pass "
-                "restore(..., rng=False) to keep this process's RNG state."
-            )
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     RngSnapshot(cpu=_array_of(state["torch_cpu"]), cuda=tuple(_array_of(text) for text in cuda_states)).restore()
+
+
+def check_rng_devices(state: Mapping[str, Any], source: str) -> None:
+    """Raise :class:`CheckpointMismatchError` unless this process has as many CUDA devices as ``state`` (from
+    :func:`capture_rng`) has CUDA streams; changes nothing ([no half restore]).
+
+    Example:
+        >>> check_rng_devices({"cuda": []}, "state.json")  # no CUDA streams saved: any process fits
+    """
+    saved = len(state["cuda"])
+    if saved:
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found != saved:
+            raise CheckpointMismatchError(
+                f"{source}: saved RNG streams of {saved} CUDA device(s), this process "
+                f"has {found}; resume cannot be bit-exact. Fix: run on the same devices, or pass "
+                "restore(..., rng=False) to keep this process's RNG state."
+            )

@@ -222,7 +222,9 @@ class Checkpointer:
     def _save_and_exit(self, step: int, metrics: Mapping[str, object] | None, items: Mapping[str, Any],
                        rng: dict[str, Any] | None = None) -> None:
         signal_name = self._preemption.requested.name  # type: ignore[union-attr]
-        if step != self._last_step and step not in self._storage.step_entries():
+        # Skipped only when step is already safe: saved by this Checkpointer, or a valid committed step. A
+        # corrupt step-N directory, or a stray file named like one, is replaced ([committed steps are immutable]).
+        if step != self._last_step and self._valid_committed(step) is None:
             self._save(step, metrics, items, rng)
         self.close()
         print(
@@ -296,11 +298,17 @@ class Checkpointer:
             raise
         self._apply_retention()
 
-    def _check_step_free(self, step: int) -> None:
+    def _valid_committed(self, step: int) -> CheckpointInfo | None:
+        """``step``'s info if it is a committed step that passes full verification, else None (absent,
+        corrupt, or a stray file named like a step: such a step may be replaced)."""
         if step not in self._storage.step_entries():
-            return
-        info = inspect_step(self._storage, step, "full")  # a step that fails its hashes may be replaced
-        if info.valid:  # [committed steps are immutable]
+            return None
+        info = inspect_step(self._storage, step, "full")
+        return info if info.valid else None
+
+    def _check_step_free(self, step: int) -> None:
+        info = self._valid_committed(step)
+        if info is not None:  # [committed steps are immutable]
             raise CheckpointExistsError(
                 f"{info.path} already holds a valid checkpoint of step {step}; committed steps are "
                 "never overwritten. Fix: save under a new step number, or delete that directory."

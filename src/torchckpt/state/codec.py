@@ -42,6 +42,7 @@ from torchckpt.state.errors import (
     UnsafeFileError,
     UnsupportedStateError,
 )
+from torchckpt.state.format import json_problem
 
 _TAG = "__torchckpt__"
 _SCALARS = (bool, int, float, str, type(None))
@@ -180,7 +181,7 @@ def _decode(value: Any, tensors: Mapping[str, torch.Tensor], source: str) -> Any
         return {k: _decode(v, tensors, source) for k, v in value.items()}
     try:
         return _decode_tagged(tag, value, tensors, source)
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, OverflowError) as error:
         raise CheckpointCorruptError(
             f"{source}: malformed {tag!r} entry ({error!r})", {source: f"malformed {tag!r} entry"}
         ) from None
@@ -230,8 +231,8 @@ def decode_json(data: bytes | memoryview, path: str) -> Any:
     refuse_executable_formats(data, path)
     try:
         return json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        problem = f"not valid JSON ({error})"
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, and Python's int-digit limit
+        problem = json_problem(error)
         raise CheckpointCorruptError(f"{path}: {problem}", {path: problem}) from None
     except RecursionError:
         problem = "JSON nested too deeply to parse (deeper than Python's recursion limit)"

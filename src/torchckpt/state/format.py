@@ -27,6 +27,12 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
 4. **[hashes are incremental]** Hashes are incremental (``update`` per chunk): a
    file is hashed while it is written or read, chunk by chunk, never as one more
    pass over a joined copy.
+5. **[manifest fields have exact types]** Every manifest field must have the type a
+   save writes: sizes and the step are ints (never bools, floats or ``Infinity``),
+   times are finite numbers, metrics are numbers other than NaN, names and hashes
+   are strings. Anything else, and JSON that does not parse at all (a number too
+   long for Python's int conversion included), is a :class:`CheckpointCorruptError`
+   naming the field: the step is corrupt and every reader goes on with the others.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import hashlib
 import json
 import math
 import re
+import sys
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -234,10 +241,14 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
     """
     body = _load_manifest_json(data, path)
     claimed = body.pop("manifest_hash", None)
-    actual = hash_bytes(canonical_json(body), "sha256")
+    try:
+        actual = hash_bytes(canonical_json(body), "sha256")
+    except RecursionError:  # json.dumps may give up a level or two before json.loads does
+        _corrupt(path, "JSON nested too deeply to hash: corrupt (a manifest is nested 3 levels deep)")
     if claimed != actual:
         _corrupt(path, f"manifest_hash is {claimed!r} but its content hashes to {actual!r}")
-    if body.get("format") != FORMAT_NAME or body.get("format_version") != FORMAT_VERSION:
+    version = body.get("format_version")
+    if body.get("format") != FORMAT_NAME or not (_is_int(version) and version == FORMAT_VERSION):
         _corrupt(
             path,
             f"format {body.get('format')!r} version {body.get('format_version')!r}; "
@@ -246,13 +257,30 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
     return _manifest_from_body(body, path)
 
 
+def json_problem(error: ValueError) -> str:
+    """What a ``ValueError`` of ``json.loads`` says about the bytes (``JSONDecodeError``, a UTF-8 error, or a
+    number too long for Python's int conversion, which no save writes).
+
+    Example:
+        >>> try:
+        ...     json.loads("1" * 5000)
+        ... except ValueError as error:
+        ...     json_problem(error)
+        'a number with more than 4300 digits (no save writes one)'
+    """
+    if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):
+        return f"not valid JSON ({error})"
+    digits = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 4300
+    return f"a number with more than {digits} digits (no save writes one)"
+
+
 def _load_manifest_json(data: bytes, path: str) -> dict[str, Any]:
     try:
         body = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, and Python's int-digit limit
         # A save writes the manifest whole and fsyncs it before the step is renamed into place, so a
         # committed manifest that does not parse was damaged afterwards: corruption, not an unfinished save.
-        _corrupt(path, f"not valid JSON ({error}): corrupt (damaged after it was written)")
+        _corrupt(path, f"{json_problem(error)}: corrupt (damaged after it was written)")
     except RecursionError:
         _corrupt(path, "JSON nested too deeply to parse: corrupt (a manifest is nested 3 levels deep)")
     if not isinstance(body, dict):
@@ -260,21 +288,69 @@ def _load_manifest_json(data: bytes, path: str) -> dict[str, Any]:
     return body
 
 
+_MAX_SIZE_BYTES = 1 << 63  # no file is larger; a size beyond it would overflow float() in `torchckpt ls`
+
+
 def _manifest_from_body(body: dict[str, Any], path: str) -> Manifest:
-    try:
-        files = {
-            str(name): FileEntry(size_bytes=int(entry["size_bytes"]), hash=str(entry["hash"]))
-            for name, entry in body["files"].items()
-        }
-        return Manifest(
-            step=int(body["step"]),
-            created_unix_s=float(body["created_unix_s"]),
-            hash_algorithm=str(body["hash_algorithm"]),
-            files=files,
-            metrics={str(k): float(v) for k, v in body.get("metrics", {}).items()},
-        )
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
-        _corrupt(path, f"missing or malformed field ({error!r})")
+    """Every field checked for the exact type a save writes ([manifest fields have exact types])."""
+    for key in ("step", "created_unix_s", "hash_algorithm", "files"):
+        if key not in body:
+            _corrupt(path, f"missing field {key!r}")
+    files = _field(path, "files", body["files"], dict, "an object")
+    metrics = _field(path, "metrics", body.get("metrics", {}), dict, "an object")
+    entries = {}
+    for name, entry in files.items():
+        where = f"files[{name!r}]"
+        entry = _field(path, where, entry, dict, "an object")
+        size = entry.get("size_bytes")
+        if not (_is_int(size) and 0 <= size < _MAX_SIZE_BYTES):
+            _malformed(path, f"{where}.size_bytes", size, "a non-negative int")
+        entries[name] = FileEntry(size_bytes=size, hash=_field(path, f"{where}.hash", entry.get("hash"), str, "a str"))
+    step = body["step"]
+    if not (_is_int(step) and step >= 0):
+        _malformed(path, "step", step, "a non-negative int")
+    created = body["created_unix_s"]
+    seconds = _as_float(created)
+    if seconds is None or not abs(seconds) < 1e11:  # finite (not NaN), and a date time.localtime can show
+        _malformed(path, "created_unix_s", created, "a finite number of seconds since 1970")
+    checked_metrics = {}
+    for name, value in metrics.items():
+        number = _as_float(value)
+        if number is None or math.isnan(number):  # saves refuse NaN (keep_best cannot rank it); +-inf is kept
+            _malformed(path, f"metrics[{name!r}]", value, "a number (not NaN)")
+        checked_metrics[name] = number
+    return Manifest(
+        step=step,
+        created_unix_s=seconds,
+        hash_algorithm=_field(path, "hash_algorithm", body["hash_algorithm"], str, "a str"),
+        files=entries,
+        metrics=checked_metrics,
+    )
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int  # bool is a subclass of int: excluded
+
+
+def _as_float(value: object) -> float | None:
+    """``value`` as a float if it is an int or a float (never a bool), else None."""
+    if type(value) is float:
+        return value
+    if type(value) is int and abs(value) < 1 << 1000:  # float() of a larger int overflows
+        return float(value)
+    return None
+
+
+def _field(path: str, where: str, value: Any, kind: type, expected: str) -> Any:
+    if type(value) is not kind:
+        _malformed(path, where, value, expected)
+    return value
+
+
+def _malformed(path: str, where: str, value: object, expected: str) -> NoReturn:
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else f"{shown[:40]}..."
+    _corrupt(path, f"malformed field {where}: {shown} ({type(value).__name__}); expected {expected}")
 
 
 def _corrupt(path: str, problem: str) -> NoReturn:

@@ -9,6 +9,10 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
 2. **[export is atomic]** Export writes the model's tensors under their state_dict
    keys into one safetensors file, through a temp file and a rename, so a crash never
    leaves a half-written output.
+3. **[an import never rewinds a run]** An import into a directory whose newest step
+   is at or after the imported step is refused before anything is written: saving it
+   would start a new branch and move the run's newer steps to ``abandoned/``
+   (branches.py), so a file without a step key (step 0) would hide a whole run.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ import torch
 from torchckpt.state.capture import RESERVED_ITEM_NAMES
 from torchckpt.state.errors import (
     CheckpointError,
+    CheckpointExistsError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     UnsafeFileError,
     fix_for_os_error,
 )
 from torchckpt.state.reader import read_newest_valid
-from torchckpt.state.storage import open_storage
+from torchckpt.state.storage import ABANDONED_DIR, open_storage
 
 _MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module", "net")
 _OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "opt")
@@ -55,7 +60,7 @@ class _StoredState:
 
 
 _GLOBAL_RE = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
-_REASON_RE = re.compile(r"WeightsUnpickler error: ([^\n]*)")
+_REASON_RE = re.compile(r"WeightsUnpickler error:\s*([^\n]+)")  # the reason may start on the next line
 
 
 def _load_weights_only(path: str) -> Any:
@@ -78,15 +83,25 @@ def _load_weights_only(path: str) -> Any:
         text = str(error).strip()
         refused = _GLOBAL_RE.search(text)
         reason = _REASON_RE.search(text)
-        first_line = reason.group(1) if reason else (text.splitlines()[0] if text else type(error).__name__)
-        named = (f"it needs {refused.group(1)}, which is neither a tensor nor a plain container; "
-                 if refused else "")
-        problem = (
-            f"torch.load(weights_only=True) refused it ({named}{first_line}). The file holds objects "
-            "other than tensors and plain containers; building them would run code named by the "
-            "file, which torchckpt never does. Fix: in a trusted environment, load it with its own "
-            "code and save the state_dicts with torchckpt.Checkpointer instead."
-        )
+        first_line = reason.group(1).strip() if reason else (text.splitlines()[0] if text else "")
+        if refused:
+            problem = (
+                f"torch.load(weights_only=True) refused it (it needs {refused.group(1)}, which is neither a "
+                f"tensor nor a plain container; {first_line}). The file holds objects other than tensors and "
+                "plain containers; building them would run code named by the file, which torchckpt never "
+                "does. Fix: in a trusted environment, load it with its own code and save the state_dicts "
+                "with torchckpt.Checkpointer instead."
+            )
+        else:
+            if isinstance(error, EOFError):
+                first_line = "the file ends early, truncated" + (f": {first_line}" if first_line else "")
+            problem = (
+                f"torch.load(weights_only=True) could not read it ({first_line or type(error).__name__}): it is "
+                "damaged, truncated, or holds objects other than tensors and plain containers, which "
+                "torchckpt never builds (that would run code named by the file). Fix: check that the copy is "
+                "complete; if it is and you trust it, load it with its own code and save the state_dicts "
+                "with torchckpt.Checkpointer instead."
+            )
         raise UnsafeFileError(f"{path}: {problem}", {path: problem}) from None
 
 
@@ -167,7 +182,8 @@ def import_torch_save(path: str | os.PathLike[str], directory: str | os.PathLike
     The file is read with ``weights_only=True`` only ([torch.load only with weights_only]).
     Items: ``model``, ``optimizer``, ``scheduler`` (from common key names), other dicts under their
     own names, and scalars in ``extras``. The step comes from ``step`` or a
-    ``step``/``global_step`` key, else 0. Imported steps carry no RNG streams.
+    ``step``/``global_step`` key, else 0. Imported steps carry no RNG streams. A ``directory``
+    holding a step at or after that one is refused ([an import never rewinds a run]).
 
     Example:
         >>> import tempfile
@@ -186,6 +202,15 @@ def import_torch_save(path: str | os.PathLike[str], directory: str | os.PathLike
     chosen = step if step is not None else (found_step if found_step is not None else 0)
     stored: dict[str, Any] = {name: value if name == "extras" else _StoredState(value) for name, value in items.items()}
     with Checkpointer(directory, capture_rng=False) as checkpointer:
+        newest = max((info.step for info in checkpointer.list()), default=None)  # valid or not: all would move
+        if newest is not None and newest >= chosen:  # [an import never rewinds a run]
+            abandoned = os.path.join(checkpointer.directory, ABANDONED_DIR)
+            raise CheckpointExistsError(
+                f"{checkpointer.directory} holds steps up to {newest}; importing {source} as step {chosen} would "
+                f"start a new branch and move the steps after it to {abandoned}/. "
+                f"Fix: import into a fresh directory, or pass a step greater than {newest} "
+                "(import_torch_save(step=...) / --step)."
+            )
         checkpointer.save(chosen, **stored)
     return chosen
 

@@ -2,11 +2,12 @@
 
 Rules kept here (named in ``docs/design.md``):
 
-1. **[the lock file is ours alone]** ``.lock`` is opened with ``O_NOFOLLOW`` and must be a regular
-   file: a symlink (or a FIFO, a device, a directory) is refused with an error naming the path and
-   the fix, so the Checkpointer never truncates a file that something else points it at. It is
-   created ``0600`` and names its holder by pid, host, start time and program name only (never the
-   command line: arguments carry secrets).
+1. **[the lock file is ours alone]** ``.lock`` is opened with ``O_NOFOLLOW`` (never ``O_TRUNC``) and
+   must be a regular file with one name: a symlink (or a FIFO, a device, a directory) and a hard link
+   (``st_nlink > 1``, which ``O_NOFOLLOW`` cannot see) are refused with an error naming the path and
+   the fix, before anything is locked, changed or written, so the Checkpointer never truncates or
+   chmods a file that something else points it at. It is created ``0600`` and names its holder by
+   pid, host, start time and program name only (never the command line: arguments carry secrets).
 2. **[a forked child drops the lock]** The lock is an ``flock`` on an open file description, and a
    forked child (a DataLoader worker, a ``multiprocessing`` process) shares it: the lock would outlive
    a killed parent. Every held lock is closed in a forked child right after ``fork``
@@ -133,10 +134,17 @@ def acquire(location: str, name: str) -> HeldLock:
     except OSError as error:
         raise _open_error(path, error) from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
             raise CheckpointLockedError(
                 f"{path} is not a regular file; the Checkpointer only locks a regular file. "
                 "Fix: remove it; the next Checkpointer creates a fresh one."
+            )
+        if status.st_nlink > 1:  # [the lock file is ours alone]: a hard link shares its content with another name
+            raise CheckpointLockedError(
+                f"{path} has {status.st_nlink} hard links: another name shares its content, which the "
+                "Checkpointer would overwrite. Fix: remove it (`rm` removes this name only; the other names "
+                "keep their content); the next Checkpointer creates a fresh one."
             )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

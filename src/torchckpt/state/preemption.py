@@ -19,6 +19,13 @@ Rules kept here (named in ``docs/design.md``):
    handles ``SIGALRM``); preempt_points.py saves when the main thread waits for a
    DataLoader batch (between steps: the state is that of the last ``maybe_save``),
    before the iterator can raise about its dead workers.
+4. **[an orphaned handler steps aside]** Python changes signal handlers only in the main
+   thread, but a Checkpointer dropped while its async save is in flight is finalized in
+   the save thread. There, :meth:`uninstall` stops the 50 ms timer (``setitimer`` is
+   process-wide and works from any thread) and marks the handler orphaned; the next
+   signal it receives, always in the main thread, puts the previous handlers back and
+   re-delivers SIGTERM/SIGINT to them, so the process stops (or raises
+   ``KeyboardInterrupt``) as if the Checkpointer had never been there.
 """
 
 from __future__ import annotations
@@ -62,15 +69,19 @@ class PreemptionHandler:
         self.requested: signal.Signals | None = None
         self._previous: dict[signal.Signals, Any] = {}
         self._on_request = on_request
+        self._orphaned = False  # uninstall() was called off the main thread ([an orphaned handler steps aside])
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
+        if self._orphaned:
+            self._step_aside(sig)
+            return
         if self.requested is None:
             self.requested = sig
             if hasattr(signal, "SIGCHLD") and signal.SIGCHLD not in self._previous:
-                self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, _ignore)  # [dead workers wait ...]
+                self._previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, self._child)  # [dead workers wait ...]
             if self._on_request is not None:
                 self._start_ticks()
                 self._on_request(frame)
@@ -85,19 +96,39 @@ class PreemptionHandler:
         signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)
 
     def _tick(self, signum: int, frame: FrameType | None) -> None:
+        if self._orphaned:  # a tick already pending when the timer stopped: ours, so not re-delivered
+            self._step_aside(None)
+            return
         if self._on_request is not None:
             self._on_request(frame)
 
+    def _child(self, signum: int, frame: FrameType | None) -> None:
+        """SIGCHLD while a preemption is pending: worker deaths are left for the safe point."""
+        if self._orphaned:
+            self._step_aside(signal.Signals(signum))
+
+    def _step_aside(self, sig: signal.Signals | None) -> None:
+        """[an orphaned handler steps aside]: in the main thread (where every handler runs) put the previous
+        handlers back, then re-deliver ``sig`` (None: nothing) to the one that was there before."""
+        previous = self._previous.get(sig, signal.SIG_DFL) if sig is not None else None
+        self.uninstall()
+        if sig is not None:  # set again: once stepped aside, this handler must never be the one re-delivered to
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+            os.kill(os.getpid(), sig)
+
     def uninstall(self) -> None:
-        """Restore the handlers that were there before (idempotent)."""
-        if threading.current_thread() is not threading.main_thread():
-            return
+        """Restore the handlers that were there before (idempotent).
+
+        Off the main thread (a finalizer in a save thread) handlers cannot be changed: the timer is stopped
+        and the handler marked orphaned; it uninstalls itself at the next signal ([an orphaned handler steps
+        aside]).
+        """
         if signal.SIGALRM in self._previous:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        for sig, previous in self._previous.items():
+            signal.setitimer(signal.ITIMER_REAL, 0)  # process-wide: allowed in any thread
+        if threading.current_thread() is not threading.main_thread():
+            self._orphaned = True
+            return
+        for sig, previous in list(self._previous.items()):
             signal.signal(sig, signal.SIG_DFL if previous is None else previous)
         self._previous.clear()
 
-
-def _ignore(signum: int, frame: FrameType | None) -> None:
-    """SIGCHLD while a preemption is pending: worker deaths are left for the safe point."""

@@ -16,7 +16,11 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
    (commits are renames), so deletion is the only race they can lose.
 4. **[the whole step checks before anything changes]** Only the files the asked-for
    items need are read; every one of them, and the RNG entry, is decoded and
-   checked before any live object or RNG stream is touched.
+   checked before any live object or RNG stream is touched. Then every item is
+   checked against its live object as far as that can be done without loading it
+   (capture.py's [no half restore]: kinds, module keys and shapes, optimizer groups,
+   CUDA device count of the RNG streams to restore); items only loading can check
+   are loaded before the checked ones, and RNG streams last.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchckpt.state.capture import apply_item, check_item_name, restore_rng
+from torchckpt.state.capture import apply_item, check_item, check_item_name, check_rng_devices, restore_rng
 from torchckpt.state.catalog import (
     StepGoneError,
     check_verify_mode,
@@ -61,8 +65,12 @@ def load_step(storage: Storage, step: int, verify: str, wanted: Collection[str] 
     needed = _needed_files(files.get(STATE_NAME), manifest, wanted, storage.path_of(entry, STATE_NAME))
     files.update(read_step_files(storage, step, manifest, verify, names=needed - {STATE_NAME}))  # type: ignore[arg-type]
     snapshot = decode_snapshot(files, lambda name: storage.path_of(entry, name), wanted=wanted)
+    state_path = storage.path_of(entry, STATE_NAME)
+    if snapshot.step != step:  # restore returns this number: it must be the step's own
+        problem = f"says step {snapshot.step} but lives in {entry} (its manifest says {step})"
+        raise CheckpointCorruptError(f"{state_path}: {problem}", {state_path: problem})
     if snapshot.rng is not None:
-        check_rng(snapshot.rng, storage.path_of(entry, STATE_NAME))
+        check_rng(snapshot.rng, state_path)
     return snapshot
 
 
@@ -97,7 +105,7 @@ def check_rng(rng: Mapping[str, Any], source: str) -> None:
         torch.Generator().set_state(torch.from_numpy(_bytes_of(rng["torch_cpu"])))
         for text in rng["cuda"]:
             _bytes_of(text)
-    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as error:
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, OverflowError) as error:
         problem = f"malformed RNG entry ({type(error).__name__}: {error}); nothing was restored from this step"
         raise CheckpointCorruptError(f"{source}: {problem}", {source: problem}) from None
 
@@ -199,11 +207,16 @@ def apply_snapshot(snapshot: Snapshot, items: Mapping[str, Any], rng: bool | Non
                                       "Fix: pass rng=None (restore them only when saved) or rng=False.")
     for name, obj in items.items():  # a compiled model's keys are named before any item is loaded
         check_compiled_keys(name, obj, snapshot.items[name][1], state_path)
-    for name, obj in items.items():
+    certain = {name: check_item(name, obj, *snapshot.items[name], state_path) for name, obj in items.items()}
+    streams = snapshot.rng if rng is not False else None  # the RNG streams to restore, if any
+    if streams is not None:
+        check_rng_devices(streams, state_path)
+    # capture.py's [no half restore]: items only their own loading can check go first (a stable sort)
+    for name in sorted(items, key=lambda item: certain[item]):
         kind, state = snapshot.items[name]
-        apply_item(name, obj, kind, state, state_path)
-    if rng is not False and snapshot.rng is not None:
-        restore_rng(snapshot.rng, state_path)
+        apply_item(name, items[name], kind, state, state_path)
+    if streams is not None:
+        restore_rng(streams, state_path)
 
 
 _COMPILED_PREFIX = "_orig_mod."

@@ -147,14 +147,16 @@ def decode_snapshot(
     """
     state = decode_json(_file(files, STATE_NAME, path_of), path_of(STATE_NAME))
     try:
+        step = state["step"]
+        if type(step) is not int or step < 0:  # never a bool, a float or Infinity (format.py's exact types)
+            raise ValueError(f"step is {step!r} ({type(step).__name__}); expected a non-negative int")
         items_meta: dict[str, Any] = dict(state["items"])
         names = tuple(items_meta)
         chosen = names if wanted is None else [n for n in names if n in wanted]
         items = {name: _decode_item(items_meta[name], files, path_of) for name in chosen}
         rng = join_tensors(state["rng"], {}, path_of(STATE_NAME))
-        return Snapshot(step=int(state["step"]), metrics=dict(state["metrics"]), rng=rng, items=items,
-                        item_names=names)
-    except (KeyError, TypeError, ValueError) as error:
+        return Snapshot(step=step, metrics=dict(state["metrics"]), rng=rng, items=items, item_names=names)
+    except (KeyError, TypeError, ValueError, OverflowError) as error:
         problem = f"malformed state.json ({error!r})"
         raise CheckpointCorruptError(f"{path_of(STATE_NAME)}: {problem}", {path_of(STATE_NAME): problem}) from None
 
