@@ -58,7 +58,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -67,7 +67,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchckpt.executor.compiled import refuse_while_compiling
 from torchckpt.executor.outer_writes import WriteLog
-from torchckpt.executor.plain_regions import plain_contexts
+from torchckpt.executor.plain_regions import CountsRegion, plain_contexts
 from torchckpt.executor.policies import (
     TAG_STATE,
     OpInfo,
@@ -197,25 +197,12 @@ def can_keep(func: Any, flat: list[Any], tag_name: str | None) -> bool:
     return bool(flat) and all(isinstance(v, torch.Tensor) for v in flat) and _is_keepable(func, tag_name)
 
 
-_ModeT = TypeVar("_ModeT", bound="_RegionMode")
-
-
-class _RegionMode(TorchDispatchMode):
-    """Shared enter/exit: count active regions so ``tag`` knows whether to act."""
+class _RegionMode(CountsRegion, TorchDispatchMode):
+    """A region's dispatch mode; entering it counts an active region so ``tag`` knows whether to act."""
 
     def __init__(self, region: CheckpointRecord) -> None:
         super().__init__()
         self.region = region
-
-    def __enter__(self: _ModeT) -> _ModeT:
-        entered = super().__enter__()
-        TAG_STATE.active_regions += 1
-        return entered
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        TAG_STATE.active_regions -= 1
-        super().__exit__(exc_type, exc, tb)
 
 
 class _ForwardMode(_RegionMode):

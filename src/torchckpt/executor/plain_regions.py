@@ -7,11 +7,12 @@ recompute check back on for every region.
 from __future__ import annotations
 
 from types import TracebackType
+from typing import Any
 
 from torchckpt.executor.outer_writes import UndoOuterWrites
 from torchckpt.executor.policies import TAG_STATE
 
-__all__ = ["CountRegion", "UndoWritesRegion", "plain_contexts", "recompute_checks"]
+__all__ = ["CountRegion", "CountsRegion", "UndoWritesRegion", "plain_contexts", "recompute_checks"]
 
 
 class recompute_checks:  # noqa: N801 (used as a context manager, like torch.no_grad)
@@ -38,31 +39,30 @@ class recompute_checks:  # noqa: N801 (used as a context manager, like torch.no_
         TAG_STATE.checks -= 1
 
 
-class CountRegion:
-    """The forward context of a region that keeps nothing: no dispatch mode, only the count of active
-    regions that ``tag`` and nested checkpoints read."""
+class CountsRegion:
+    """Mixin for a region's contexts: entering counts one more active region, which ``tag`` and nested
+    checkpoints read (``TAG_STATE.active_regions``); the class after it in the bases does the rest."""
 
-    def __enter__(self) -> CountRegion:
-        TAG_STATE.active_regions += 1
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        TAG_STATE.active_regions -= 1
-
-
-class UndoWritesRegion(UndoOuterWrites):
-    """The recompute context of a region that keeps nothing: rule 8 only, and the region count."""
-
-    def __enter__(self) -> UndoWritesRegion:
-        entered = super().__enter__()
+    def __enter__(self) -> Any:
+        enter = getattr(super(), "__enter__", None)
+        entered = enter() if enter is not None else self
         TAG_STATE.active_regions += 1
         return entered
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         TAG_STATE.active_regions -= 1
-        super().__exit__(exc_type, exc, tb)
+        leave = getattr(super(), "__exit__", None)
+        if leave is not None:
+            leave(exc_type, exc, tb)
+
+
+class CountRegion(CountsRegion):
+    """The forward context of a region that keeps nothing: no dispatch mode, only the region count."""
+
+
+class UndoWritesRegion(CountsRegion, UndoOuterWrites):
+    """The recompute context of a region that keeps nothing: rule 8 only, and the region count."""
 
 
 def plain_contexts() -> tuple[CountRegion, UndoWritesRegion]:

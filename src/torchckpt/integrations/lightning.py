@@ -51,6 +51,7 @@ from torchckpt.state import (
     load,
 )
 from torchckpt.state.codec import split_tensors
+from torchckpt.state.storage import fsync_dir
 
 __all__ = ["TorchckptIO"]
 
@@ -150,7 +151,7 @@ class TorchckptIO(CheckpointIO):
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        _fsync_dir(parent)  # the rename survives a power loss too
+        fsync_dir(parent)  # the rename survives a power loss too
 
     # ----- loading ------------------------------------------------------------------------
 
@@ -230,14 +231,6 @@ def _location(path: object, where: str) -> str:
 
 def _is_local(location: str) -> bool:
     return "://" not in location
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _refuse_regular_file(location: str, action: str) -> None:

@@ -169,7 +169,13 @@ def read_pieces(handle: Readable, into: memoryview, on_piece: Callable[[memoryvi
     return done + len(handle.read(1))
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync a directory, so that a rename or a new entry in it survives a power loss.
+
+    Example:
+        >>> import tempfile
+        >>> fsync_dir(tempfile.gettempdir())
+    """
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -232,7 +238,7 @@ class LocalStorage:
         except OSError as error:
             raise CheckpointError(f"{self.location}: cannot create the checkpoint directory ({error}). "
                                   f"Fix: {fix_for_os_error(error)}.") from None
-        _fsync_dir(os.path.dirname(os.path.abspath(self.location)))  # the new root survives a crash
+        fsync_dir(os.path.dirname(os.path.abspath(self.location)))  # the new root survives a crash
 
     def begin_step(self, step: int) -> _LocalStepWriter:
         """Start writing ``step`` into a fresh temp directory ([local commit is a rename])."""
@@ -245,7 +251,7 @@ class LocalStorage:
         entry = step_dir_name(step)
         trash = f"{TRASH_PREFIX}{entry}-{uuid.uuid4().hex[:12]}"
         os.rename(self.path_of(entry), self.path_of(trash))
-        _fsync_dir(self.location)
+        fsync_dir(self.location)
         shutil.rmtree(self.path_of(trash), ignore_errors=True)
 
     def abandon_step(self, step: int) -> str:
@@ -257,8 +263,8 @@ class LocalStorage:
         if os.path.lexists(self.path_of(target)):
             target = f"{target}-{uuid.uuid4().hex[:12]}"
         os.rename(self.path_of(entry), self.path_of(target))
-        _fsync_dir(folder)
-        _fsync_dir(self.location)
+        fsync_dir(folder)
+        fsync_dir(self.location)
         return self.path_of(target)
 
     def move_aside(self, entry: str) -> str:
@@ -325,11 +331,11 @@ class _LocalStepWriter:
         final = self._storage.path_of(final_entry)
 
         def publish() -> None:
-            _fsync_dir(self._temp)
+            fsync_dir(self._temp)
             if os.path.lexists(final):  # the caller checked it is not a valid checkpoint
                 self._storage.move_aside(final_entry)
             os.rename(self._temp, final)
-            _fsync_dir(self._storage.location)
+            fsync_dir(self._storage.location)
 
         self._wrap(publish, final, 0)
 
