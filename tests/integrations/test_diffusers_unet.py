@@ -80,3 +80,29 @@ def test_public_plan_with_dict_inputs_and_blocks_by_hand() -> None:
     assert plan.table().splitlines()[0] == "blocks: down_blocks.0 … up_blocks.1 (5 blocks)"
     report = torchckpt.verify_plan(model, plan, inputs, loss_fn=loss_fn)
     assert report.within_budget and report.gradients_equal and report.buffers_equal, report.table()
+
+
+def test_autoencoder_blocks_auto_are_taken_in_the_order_they_run() -> None:
+    """diffusers' AutoencoderKL registers its decoder's up blocks before the mid block it runs first:
+    ``blocks="auto"`` (named_modules order) once refused to plan it; the profiler now takes the blocks in
+    the order they ran, and the plan is within budget and bitwise exact. Blocks given by hand in another
+    order are still refused, naming the order they ran in."""
+    torch.manual_seed(0)
+    model = diffusers.AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                                    up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32),
+                                    layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=32).train()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(out: object) -> torch.Tensor:
+        return (out.sample - x).pow(2).mean()  # type: ignore[attr-defined]
+
+    plan = torchckpt.plan(model, (x,), budget="85%", loss_fn=loss_fn)
+    paths = list(plan.block_paths)
+    mid = [i for i, path in enumerate(paths) if path.startswith("decoder.mid_block")]
+    up = [i for i, path in enumerate(paths) if path.startswith("decoder.up_blocks")]
+    assert mid and up and max(mid) < min(up), paths
+    report = torchckpt.verify_plan(model, plan, (x,), loss_fn=loss_fn)
+    assert report.within_budget and report.gradients_equal and report.buffers_equal
+    named = resolve_blocks(model, "auto")  # named_modules order: up blocks before the mid block
+    with pytest.raises(ValueError, match=r"ran in the order .* not in the order given"):
+        torchckpt.plan(model, (x,), budget="85%", loss_fn=loss_fn, blocks=named)

@@ -26,8 +26,11 @@ The rule, in order (``find_blocks``):
 
    Blocks come in ``named_modules`` order, which is their forward order in every model above (HF
    ``model.layers``, GPT-2 ``transformer.h``, BERT ``encoder.layer``, T5 ``encoder.block`` then
-   ``decoder.block``, ConvNeXt/ResNet ``encoder.stages.i.layers``, torchvision ``layer1..layer4``); the
-   profiler checks it and names the blocks when a model runs them in another order. Blocks of one
+   ``decoder.block``, ConvNeXt/ResNet ``encoder.stages.i.layers``, torchvision ``layer1..layer4``). A
+   model that runs them in another order (diffusers' AutoencoderKL registers its decoder's up blocks
+   before the mid block it runs first) is profiled again with the blocks in the order they ran, which
+   the first step measured (``profile``); blocks given by hand in another order are refused, named
+   in the order they ran. Blocks of one
    class may differ in parameters (T5's first block also holds the relative position bias).
 
 A model the rule gets wrong (e.g. a mixture of experts, whose experts outnumber its layers) is planned

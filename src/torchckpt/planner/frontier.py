@@ -18,7 +18,6 @@ from torch import nn
 
 from torchckpt._units import format_bytes
 from torchckpt.planner import solve as solver
-from torchckpt.planner.blocks import block_paths, resolve_blocks
 from torchckpt.planner.costs import ChainCosts
 from torchckpt.planner.make_plan import no_checkpointing_schedule, plan_from_costs, regions_note, resolve_margin
 from torchckpt.planner.plan import Plan, fingerprint
@@ -168,9 +167,9 @@ def frontier(model: nn.Module, example_inputs: tuple | dict, *, points: int = 12
         >>> front.points[0].peak_bytes <= front.points[-1].peak_bytes
         True
     """
-    block_list = resolve_blocks(model, blocks)
-    paths = block_paths(model, block_list)
-    costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=block_list, regions=regions,
+    # the blocks as profiled: "auto" is taken in the order the blocks run (profile's rule)
+    costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, regions=regions,
                     step_fn=step_fn)
+    paths = list(costs.block_paths)
     return frontier_from_costs(costs, points=points, block_paths=paths,
                                model_fingerprint=fingerprint(model, example_inputs, paths), regions=regions)

@@ -15,7 +15,6 @@ from torch import nn
 
 from torchckpt._units import parse_bytes, parse_percent
 from torchckpt.planner import solve as solver
-from torchckpt.planner.blocks import block_paths, resolve_blocks
 from torchckpt.planner.costs import ChainCosts
 from torchckpt.planner.infeasible import with_paths
 from torchckpt.planner.plan import Plan, PlannedBlock, PlannedRegion, PlanPiece, fingerprint
@@ -222,10 +221,10 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     if parse_percent(budget, option="budget") is None:  # a bad budget fails before minutes of profiling
         parse_bytes(budget, option="budget")
     _margin_spec(margin)
-    block_list = resolve_blocks(model, blocks)
-    paths = block_paths(model, block_list)
-    costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=block_list, regions=regions,
+    # the blocks as profiled: "auto" is taken in the order the blocks run (profile's rule)
+    costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, regions=regions,
                     step_fn=step_fn)
+    paths = list(costs.block_paths)
     return plan_from_costs(costs, budget, block_paths=paths,
                            model_fingerprint=fingerprint(model, example_inputs, paths), regions=regions, margin=margin)
 

@@ -28,7 +28,7 @@ from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner.blocks import block_paths, describe_paths, positional_form, structure_key
 from torchckpt.planner.runner import StepRunner
 
-__all__ = ["Probe", "block_times", "measure_step"]
+__all__ = ["BlockOrderError", "Probe", "block_times", "measure_step"]
 
 
 _DETACH = torch.ops.aten.detach.default
@@ -332,6 +332,20 @@ class Probe:
         self._close_backward()
 
 
+class BlockOrderError(ValueError):
+    """The blocks did not run in the order given; ``ran`` lists their positions in the order they ran.
+    ``profile(blocks="auto")`` uses it to take the found blocks in forward order.
+
+    Example:
+        >>> BlockOrderError([1, 0], "ran in the order [1, 0]").ran
+        [1, 0]
+    """
+
+    def __init__(self, ran: list[int], message: str) -> None:
+        super().__init__(message)
+        self.ran = list(ran)
+
+
 def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bool) -> Probe:
     """Run one training step under a ``MemoryMeter`` with a :class:`Probe` on ``blocks`` (and, with
     ``record_ops``, the op recorder); refuse blocks that do not run exactly once each, in order.
@@ -380,9 +394,9 @@ def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bo
     if orders != sorted(orders):
         ran = sorted(range(len(orders)), key=orders.__getitem__)
         order = ", ".join(paths[k] for k in ran)
-        raise ValueError(f"the blocks {describe_paths(paths)} ran in the order {ran} ({order}), not in the order "
-                         "given; torchckpt needs the blocks in forward order: pass them in the order they run, "
-                         "blocks=[...] (blocks='auto' lists them in named_modules order)")
+        raise BlockOrderError(ran, f"the blocks {describe_paths(paths)} ran in the order {ran} ({order}), not in "
+                              "the order given; torchckpt needs the blocks in forward order: pass them in the order "
+                              "they run, blocks=[...]")
     return probe
 
 

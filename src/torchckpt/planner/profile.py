@@ -75,7 +75,7 @@ from torchckpt.planner.apply import wrap_region
 from torchckpt.planner.blocks import block_paths, resolve_blocks
 from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
 from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
-from torchckpt.planner.probe import Probe, block_times, measure_step
+from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step
 from torchckpt.planner.runner import StepFn, StepRunner
 
 __all__ = ["profile", "HEADROOM_BYTES", "HEADROOM_FRACTION"]
@@ -131,7 +131,17 @@ def profile(
     runner = StepRunner(model, example_inputs, loss_fn, optimizer, step_fn=step_fn)
     with preserved_state(model, optimizer), kv_cache_off([model], while_="profiling"), paused_gc():
         runner.clear_grads()  # the user's gradients come back afterwards; they are not part of the step
-        return _measure_costs(runner, block_list, progress, regions)
+        try:
+            return _measure_costs(runner, block_list, progress, regions)
+        except BlockOrderError as error:
+            if not (isinstance(blocks, str) and blocks == "auto"):
+                raise
+            # "auto" lists the blocks in named_modules order; a model may run them in another (diffusers'
+            # AutoencoderKL registers its decoder's up blocks before the mid block it runs first): take
+            # the order they ran in, which the failed step measured, and profile again.
+            block_list = [block_list[k] for k in error.ran]
+            runner.clear_grads()
+            return _measure_costs(runner, block_list, progress, regions)
 
 
 def _measure_costs(runner: StepRunner, block_list: list[nn.Module],
