@@ -13,6 +13,7 @@ import pytest
 import torch
 from hf_models import MODELS, freeze
 
+import torchckpt
 from torchckpt.integrations import hf
 from torchckpt.memory import MemoryMeter
 
@@ -96,6 +97,9 @@ def test_refusals_name_the_fix() -> None:
     getattr(model, "activation_checkpointing_enable" if new_names else "gradient_checkpointing_enable")()
     with pytest.raises(ValueError, match=r"gradient_checkpointing_disable\(\)"):
         hf.enable(model, budget=BUDGET, example_inputs=batch)
+    # torchckpt.plan itself too (its plain step would be HF's checkpointed one, the floor equal to it)
+    with pytest.raises(ValueError, match=r"own gradient checkpointing on .*gradient_checkpointing_disable\(\)"):
+        torchckpt.plan(model, batch, budget=BUDGET)
     getattr(model, "activation_checkpointing_disable" if new_names else "gradient_checkpointing_disable")()
     hf.enable(model, budget="100%", example_inputs=batch)
     with pytest.raises(ValueError, match=r"call hf.disable\(model\) first"):

@@ -227,13 +227,22 @@ def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
     if not found:
         raise ValueError(
             f"{type(model).__name__} has no ModuleList or Sequential holding two or more modules of one class, so "
-            "torchckpt cannot find its repeated blocks; pass them explicitly, e.g. "
-            "torchckpt.plan(model, inputs, budget='6GiB', blocks=list(model.encoder.layers))")
+            "torchckpt cannot find its repeated blocks; pass them explicitly, in the order they run: "
+            "torchckpt.plan(model, inputs, budget='6GiB', blocks=[...]) (often a ModuleList's contents, "
+            "e.g. list(model.layers); print(model) shows the model's modules)")
     return _containers([path for path, _ in found]), [block for _, block in found]
 
 
 def _refuse_wrapped(model: nn.Module) -> None:
     refuse_compiled([model], "torchckpt.plan/profile/verify")  # Note: [compiled models are refused]
+    own = [name or type(model).__name__ for name, module in model.named_modules()
+           if getattr(module, "gradient_checkpointing", False) is True]
+    if own:  # HF's (and diffusers') own checkpointing sets this flag on the modules it wraps
+        raise ValueError(f"{type(model).__name__} has its library's own gradient checkpointing on ({own[0]!r}"
+                         f"{f' and {len(own) - 1} more' if len(own) > 1 else ''}), so its plain step is already "
+                         "checkpointed and a plan would be measured on top of it. Fix: call "
+                         "model.gradient_checkpointing_disable() (HF; diffusers: disable_gradient_checkpointing()) "
+                         "and do not pass gradient_checkpointing=True to TrainingArguments; the plan replaces it")
     for name, module in model.named_modules():
         if "forward" in vars(module):
             raise ValueError(f"module {name or type(model).__name__!r} already runs under a torchckpt plan or "
