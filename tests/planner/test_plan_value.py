@@ -36,8 +36,8 @@ def test_find_blocks_on_built_in_and_hf_models() -> None:
 
 
 def test_model_without_blocks_names_the_blocks_option() -> None:
-    with pytest.raises(ValueError, match=r"pass them explicitly, e.g. torchckpt.plan\(model, inputs, budget='6GiB', "
-                                         r"blocks=list\(model.encoder.layers\)\)"):
+    with pytest.raises(ValueError, match=r"pass them explicitly, in the order they run: torchckpt.plan\(model, "
+                                         r"inputs, budget='6GiB', blocks=\[...\]\)"):
         find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2)))
 
 
