@@ -65,7 +65,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from torchckpt.executor.compiled import refuse_while_compiling
+from torchckpt.executor.compiled import checkpoint_while_compiling
 from torchckpt.executor.outer_writes import WriteLog
 from torchckpt.executor.plain_regions import CountsRegion, plain_contexts
 from torchckpt.executor.policies import (
@@ -348,11 +348,12 @@ def checkpoint(
     resolved = resolve_policy(policy)
     if resolved is everything_saveable or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if torch.compiler.is_compiling():  # Note: [under torch.compile a region is torch's checkpoint]
+        return checkpoint_while_compiling(fn, args, kwargs, resolved)
     if TAG_STATE.active_regions:  # Note: [nested checkpoints keep nothing]
         resolved = nothing_saveable
     if resolved.keeps_nothing and not debug and not TAG_STATE.checks:
         # Note: [a region that keeps nothing runs on torch's checkpoint alone]
-        refuse_while_compiling()  # Note: [compiled models are refused]
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                                            context_fn=plain_contexts, **kwargs)
     region = CheckpointRecord(policy=resolved, fn_name=function_name(fn))
@@ -370,7 +371,6 @@ def run_recorded(region: CheckpointRecord, fn: Callable[..., Any], args: tuple, 
         >>> [record.records[index].name for index in record.cache]
         ['aten.addmm']
     """
-    refuse_while_compiling()  # Note: [compiled models are refused]
     context_fn = functools.partial(_region_contexts, region)
     return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                                        context_fn=context_fn, **kwargs)

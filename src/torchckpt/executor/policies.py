@@ -41,6 +41,7 @@ __all__ = [
     "save_anything_except_these_names",
     "save_from_both_policies",
     "save_ops",
+    "parse_occurrence",
     "tag",
     "resolve_policy",
     "POLICIES",
@@ -93,7 +94,8 @@ class Policy:
         Policy('keep_mm')
     """
 
-    def __init__(self, name: str, decide: Callable[[OpInfo], bool], *, keeps_nothing: bool = False) -> None:
+    def __init__(self, name: str, decide: Callable[[OpInfo], bool], *, keeps_nothing: bool = False,
+                 by_position: bool = False, occurrences: Iterable[tuple[str, int]] | None = None) -> None:
         if not callable(decide):
             raise TypeError(f"Policy {name!r}: decide must be callable; got {type(decide).__name__}")
         self.name = name
@@ -101,6 +103,21 @@ class Policy:
         # True when the policy is known to keep no op: the executor then records nothing in the forward
         # pass (Note: [a region that keeps nothing runs on torch's checkpoint alone]).
         self.keeps_nothing = keeps_nothing
+        # A policy that decides by ``OpInfo.index`` (``save_ops``) cannot be asked under torch.compile, whose
+        # traced graph numbers ops differently; ``occurrences`` says the same choice as (op name, how many ops
+        # of that name ran before it in the region), which survives tracing (Note: [compiled plans keep ops by
+        # name and occurrence], ``executor/compiled.py``).
+        self.by_position = by_position
+        self.occurrences = None if occurrences is None else frozenset(occurrences)
+
+        def sac_context_fn() -> tuple[Any, Any]:
+            # ``context_fn`` of torch's checkpoint under torch.compile: a plain function, as Dynamo requires
+            # (Note: [under torch.compile a region is torch's checkpoint]).
+            from torchckpt.executor.compiled import sac_contexts
+
+            return sac_contexts(self)
+
+        self.sac_context_fn = sac_context_fn
 
     def __call__(self, op: OpInfo) -> bool:
         return bool(self._decide(op))
@@ -175,17 +192,41 @@ def save_from_both_policies(first: PolicyLike, second: PolicyLike) -> Policy:
     return Policy(f"save_from_both_policies({a.name}, {b.name})", lambda op: a(op) or b(op))
 
 
-def save_ops(indices: Iterable[int], name: str = "save_ops") -> Policy:
+def save_ops(indices: Iterable[int], name: str = "save_ops", ops: Iterable[str] | None = None) -> Policy:
     """Keep the outputs of the ops at these positions of the region's forward pass.
 
-    This is how a plan expresses a selective-checkpoint choice measured by the profiler.
+    This is how a plan expresses a selective-checkpoint choice measured by the profiler. ``ops`` names
+    the same ops as ``"aten.mm#2"`` (the op, and how many ops of that name ran before it in the region),
+    one per index: the form a region traced by ``torch.compile`` is lowered with
+    (Note: [compiled plans keep ops by name and occurrence]). Without it the policy works eagerly only.
 
     Example:
         >>> save_ops([0, 3]).name
         'save_ops'
+        >>> sorted(save_ops([3], ops=["aten.mm#1"]).occurrences)
+        [('aten.mm', 1)]
     """
     wanted = frozenset(int(i) for i in indices)
-    return Policy(name, lambda op: op.index in wanted, keeps_nothing=not wanted)
+    occurrences = None if ops is None else [parse_occurrence(op) for op in ops]
+    if occurrences is not None and len(set(occurrences)) != len(wanted):
+        raise ValueError(f"save_ops: ops names {len(set(occurrences))} distinct ops for {len(wanted)} indices; "
+                         "give one 'name#occurrence' per index (or leave ops out)")
+    return Policy(name, lambda op: op.index in wanted, keeps_nothing=not wanted, by_position=bool(wanted),
+                  occurrences=occurrences)
+
+
+def parse_occurrence(text: str) -> tuple[str, int]:
+    """``"aten.mm#2"`` as ``("aten.mm", 2)``: an op name and how many ops of that name ran before it.
+
+    Example:
+        >>> parse_occurrence("aten.addmm#0")
+        ('aten.addmm', 0)
+    """
+    name, sep, count = text.rpartition("#") if isinstance(text, str) else ("", "", "")
+    if not sep or not name or not count.isdigit():
+        raise ValueError(f"an op occurrence is written 'name#k' (e.g. 'aten.mm#2': the third aten.mm of the region); "
+                         f"got {text!r}")
+    return name, int(count)
 
 
 PolicyLike = Policy | str | Callable[[OpInfo], bool] | None

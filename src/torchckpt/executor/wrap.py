@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from torchckpt.executor.checkpoint import checkpoint
-from torchckpt.executor.compiled import refuse_compiled
+from torchckpt.executor.compiled import SideEffectsOnce, uncompiled
 from torchckpt.executor.kv_cache import disable_kv_cache, restore_kv_cache
 from torchckpt.executor.policies import PolicyLike, resolve_policy
 
@@ -34,6 +34,8 @@ class CheckpointHandle:
     def __init__(self, modules: list[nn.Module], cache_configs: list[Any] | None = None) -> None:
         self._modules = modules
         self._cache_configs = list(cache_configs or ())
+        # Note: [Python side effects run once under compile]
+        self._side_effects = SideEffectsOnce() if modules else None
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -57,6 +59,8 @@ class CheckpointHandle:
         self._modules = []
         restore_kv_cache(self._cache_configs)
         self._cache_configs = []
+        if self._side_effects is not None:
+            self._side_effects.release()
 
     def __enter__(self) -> CheckpointHandle:
         return self
@@ -103,8 +107,8 @@ def checkpoint_modules(modules: Iterable[nn.Module], policy: PolicyLike = None,
         ...     loss.backward()
     """
     resolved = resolve_policy(policy)
-    modules = list(modules)
-    refuse_compiled(modules, "checkpoint_modules")  # Note: [compiled models are refused]
+    # Note: [a compiled model is planned through its original]: the wrap goes inside the compiled code
+    modules = [uncompiled(module) for module in modules]
     wrapped: list[nn.Module] = []
     for module in modules:
         if not isinstance(module, nn.Module):

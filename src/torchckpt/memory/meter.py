@@ -17,9 +17,11 @@ How the CPU meter counts (the rules every figure it reports obeys, named in ``do
 4. **[only the meter's device counts]** Only storages on the meter's device are counted (CPU by
    default). Meta, fake and sparse tensors own no countable storage and are ignored.
 
-5. **[compiled code runs eagerly under the meter]** ``torch.compile`` skips every frame while a Python
-   dispatch mode is active, so a compiled function called inside the CPU meter runs, and is measured,
-   eagerly (Note: [compiled models are refused]); the planner refuses compiled modules for this reason.
+5. **[compiled code is measured where its ops dispatch]** The meter's mode says
+   ``ignore_compile_internals``, so ``torch.compile``'d code keeps running compiled inside the meter
+   (Dynamo skips frames only under modes that do not). With ``backend="aot_eager"`` every op of the
+   compiled graphs dispatches through the meter, so the peak is the compiled step's; inductor's kernels
+   allocate their buffers outside the dispatcher and are not counted (measure peak RSS for inductor).
 
 On CUDA the numbers come from the caching allocator (``torch.cuda.memory_allocated`` and
 ``max_memory_allocated``), which already follow the same rules at block granularity.
@@ -125,9 +127,19 @@ def _drop(table: dict[int, weakref.ref], key: int, _ref: weakref.ref) -> None:
 class _StorageTracker(TorchDispatchMode):
     """Dispatch mode that records every storage an op produces or reads, and its release."""
 
+    # A compiled graph calls higher-order ops (run_and_save_rng_state for a checkpoint's RNG): they run here
+    # like any op, and what they return is observed like any op's output.
+    supports_higher_order_operators = True
+
     def __init__(self, meter: MemoryMeter) -> None:
         super().__init__()
         self._meter = meter
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Compiled code keeps running compiled inside the meter (Note: [compiled code is measured where its ops
+        dispatch]): Dynamo skips frames only under modes that do not say this."""
+        return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from torchckpt.executor import CheckpointHandle, checkpoint, save_ops, wrap_forward
-from torchckpt.executor.compiled import refuse_compiled
+from torchckpt.executor.compiled import uncompiled
 from torchckpt.executor.kv_cache import disable_kv_cache
 from torchckpt.planner.blocks import positional_form
 from torchckpt.planner.plan import Plan, PlannedRegion, PlanPiece
@@ -43,16 +43,17 @@ def apply_plan(model: nn.Module, plan: Plan) -> CheckpointHandle:
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan: expected a torchckpt Plan; got {type(plan).__name__} "
                         "(make one with torchckpt.plan(model, inputs, budget=...) or Plan.load(path))")
-    refuse_compiled([model], "torchckpt.apply")  # Note: [compiled models are refused]
+    model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     plan.check_fits(model)
-    blocks = [model.get_submodule(path) for path in plan.block_paths]
+    blocks = [uncompiled(model.get_submodule(path)) for path in plan.block_paths]
     wrapped: list[nn.Module] = []
     for piece in plan.schedule:
         if isinstance(piece, PlannedRegion):
             wrap_region(piece, blocks, wrapped)
         elif piece.recomputes:
             block = blocks[piece.block]
-            policy = save_ops(piece.keep, name=f"plan:{plan.block_paths[piece.block]}")
+            policy = save_ops(piece.keep, name=f"plan:{plan.block_paths[piece.block]}",
+                              ops=piece.keep_ops if piece.keep_ops or not piece.keep else None)
             wrap_forward(block, functools.partial(checkpoint, block.forward, policy=policy), wrapped)
     # Note: [KV cache off while checkpointing]
     # The profiler measured every step, the plain one too, with the cache off: so is the model under any plan,

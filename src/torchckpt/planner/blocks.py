@@ -45,7 +45,7 @@ from typing import Any
 
 from torch import nn
 
-from torchckpt.executor.compiled import refuse_compiled
+from torchckpt.executor.compiled import is_compiled_module, uncompiled
 
 __all__ = ["block_paths", "describe_paths", "find_blocks", "positional_form", "resolve_blocks", "structure_key"]
 
@@ -61,6 +61,7 @@ def structure_key(module: nn.Module) -> tuple:
         >>> structure_key(nn.Linear(2, 3)) == structure_key(nn.Linear(3, 3))
         False
     """
+    module = uncompiled(module)  # torch.compile(block) has the block's structure
     params = tuple((name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters(recurse=False))
     children = tuple((name, structure_key(child)) for name, child in module.named_children())
     return (type(module).__qualname__, params, children)
@@ -234,7 +235,6 @@ def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
 
 
 def _refuse_wrapped(model: nn.Module) -> None:
-    refuse_compiled([model], "torchckpt.plan/profile/verify")  # Note: [compiled models are refused]
     own = [name or type(model).__name__ for name, module in model.named_modules()
            if getattr(module, "gradient_checkpointing", False) is True]
     if own:  # HF's (and diffusers') own checkpointing sets this flag on the modules it wraps
@@ -244,7 +244,7 @@ def _refuse_wrapped(model: nn.Module) -> None:
                          "model.gradient_checkpointing_disable() (HF; diffusers: disable_gradient_checkpointing()) "
                          "and do not pass gradient_checkpointing=True to TrainingArguments; the plan replaces it")
     for name, module in model.named_modules():
-        if "forward" in vars(module):
+        if "forward" in vars(module) and not is_compiled_module(module):  # torch.compile sets one too
             raise ValueError(f"module {name or type(model).__name__!r} already runs under a torchckpt plan or "
                              "checkpoint_modules (it has an instance-level forward); call remove() on that handle "
                              "before profiling or planning the model again")
@@ -265,7 +265,7 @@ def resolve_blocks(model: nn.Module, blocks: str | Sequence[nn.Module]) -> list[
         if blocks != "auto":
             raise ValueError(f"blocks={blocks!r}: use 'auto' or a list of modules, e.g. blocks=list(model.layers)")
         _refuse_wrapped(model)
-        return find_blocks(model)[1]
+        return [uncompiled(block) for block in find_blocks(model)[1]]
     block_list = list(blocks)
     _refuse_wrapped(model)
     owned = {id(m) for m in model.modules()}
@@ -274,7 +274,7 @@ def resolve_blocks(model: nn.Module, blocks: str | Sequence[nn.Module]) -> list[
             raise ValueError(f"blocks=[...] must be submodules of the model; got {type(block).__name__}")
     if not block_list:
         raise ValueError("blocks=[] is empty; give the model's repeated layers, e.g. blocks=list(model.layers)")
-    return block_list
+    return [uncompiled(block) for block in block_list]  # Note: [a compiled model is planned through its original]
 
 
 def block_paths(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:
@@ -285,7 +285,10 @@ def block_paths(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:
         >>> block_paths(model, list(model))
         ['0', '1']
     """
-    names = {id(module): name for name, module in model.named_modules()}
+    # a block compiled on its own is found by the path of its compiled wrapper, whether or not it is compiled
+    # when the plan is applied (Note: [a compiled model is planned through its original])
+    names = {id(module): ".".join(part for part in name.split(".") if part != "_orig_mod")
+             for name, module in model.named_modules()}
     missing = [type(block).__name__ for block in blocks if id(block) not in names]
     if missing:
         raise ValueError(f"blocks must be submodules of the model; {missing[0]} is not")

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from torchckpt._units import format_bytes
+from torchckpt.executor.compiled import uncompiled
 from torchckpt.planner import solve as solver
 from torchckpt.planner.costs import ChainCosts
 from torchckpt.planner.make_plan import no_checkpointing_schedule, plan_from_costs, regions_note, resolve_margin
@@ -168,6 +169,7 @@ def frontier(model: nn.Module, example_inputs: tuple | dict, *, points: int = 12
         True
     """
     # the blocks as profiled: "auto" is taken in the order the blocks run (profile's rule)
+    model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, regions=regions,
                     step_fn=step_fn)
     paths = list(costs.block_paths)

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from torchckpt._units import parse_bytes, parse_percent
+from torchckpt.executor.compiled import uncompiled
 from torchckpt.planner import solve as solver
-from torchckpt.planner.costs import ChainCosts
+from torchckpt.planner.costs import BlockCosts, ChainCosts
 from torchckpt.planner.infeasible import with_paths
 from torchckpt.planner.plan import Plan, PlannedBlock, PlannedRegion, PlanPiece, fingerprint
 from torchckpt.planner.profile import profile
@@ -54,23 +55,51 @@ def resolve_budget(budget: int | str, costs: ChainCosts) -> int:
     return parse_bytes(budget, option="budget")
 
 
-def plan_pieces(schedule: Sequence[solver.Piece],
-                menus: Sequence[Sequence[solver.MenuOption]]) -> tuple[PlanPiece, ...]:
+def plan_pieces(schedule: Sequence[solver.Piece], menus: Sequence[Sequence[solver.MenuOption]],
+                costs: ChainCosts | None = None) -> tuple[PlanPiece, ...]:
     """Turn a solver schedule (menu option indices) into a plan's pieces (the ops each block keeps).
+
+    With ``costs``, each kept op is also named by occurrence (``PlannedBlock.keep_ops``, how a compiled
+    block keeps it: Note: [compiled plans keep ops by name and occurrence]).
 
     Example:
         >>> option = solver.MenuOption(kept_ops=(), held_bytes=0, recompute_s=0.0, plain=True)
         >>> plan_pieces((solver.Single(block=0, option=0),), [(option,)])
-        (PlannedBlock(block=0, plain=True, keep=()),)
+        (PlannedBlock(block=0, plain=True, keep=(), keep_ops=()),)
     """
     out: list[PlanPiece] = []
     for piece in schedule:
         if isinstance(piece, solver.Region):
-            out.append(PlannedRegion(start=piece.start, stop=piece.stop, inner=plan_pieces(piece.inner, menus)))
+            out.append(PlannedRegion(start=piece.start, stop=piece.stop,
+                                     inner=plan_pieces(piece.inner, menus, costs)))
             continue
         option = menus[piece.block][piece.option]
-        out.append(PlannedBlock(block=piece.block, plain=option.plain, keep=() if option.plain else option.kept_ops))
+        keep = () if option.plain else tuple(option.kept_ops)
+        names = occurrence_names(costs.blocks[piece.block], keep) if costs is not None and keep else ()
+        out.append(PlannedBlock(block=piece.block, plain=option.plain, keep=keep, keep_ops=names))
     return tuple(out)
+
+
+def occurrence_names(block: BlockCosts, indices: Sequence[int]) -> tuple[str, ...]:
+    """``"name#k"`` for each op index of ``block``: the op's name and how many ops of that name ran before it.
+
+    Example:
+        >>> from torchckpt.planner.costs import OpCosts
+        >>> ops = tuple(OpCosts(index=i, name=n, output_bytes=4, saved=True, time_s=0.0)
+        ...             for i, n in enumerate(["aten.mm", "aten.relu", "aten.mm"]))
+        >>> block = BlockCosts(name="b", input_bytes=1, output_bytes=1, saved_bytes=1, forward_time_s=0.1, ops=ops)
+        >>> occurrence_names(block, [2])
+        ('aten.mm#1',)
+    """
+    by_index = {op.index: op for op in block.ops}
+    missing = [index for index in indices if index not in by_index]
+    if missing:
+        raise ValueError(f"block {block.name!r} has no op #{missing[0]} in its measured forward pass")
+    names = []
+    for index in indices:
+        name = by_index[index].name
+        names.append(f"{name}#{sum(1 for op in block.ops if op.name == name and op.index < index)}")
+    return tuple(names)
 
 
 def regions_note(costs: ChainCosts, regions: bool = True) -> str | None:
@@ -176,7 +205,7 @@ def plan_from_costs(costs: ChainCosts, budget: int | str, *, block_paths: Sequen
     applied = solver.schedule_margin_bytes(costs, solution.schedule, margin_bytes)
     return Plan(budget_bytes=budget_bytes, predicted_peak_bytes=int(solution.predicted_peak_bytes),
                 predicted_extra_time_s=float(solution.extra_time_s),
-                schedule=plan_pieces(solution.schedule, menus), block_paths=tuple(block_paths),
+                schedule=plan_pieces(solution.schedule, menus, costs), block_paths=tuple(block_paths),
                 fingerprint=model_fingerprint,
                 reference={"no_checkpointing_peak_bytes": float(plain_peak), "step_time_s": costs.step_time_s,
                            "margin_bytes": float(applied)},
@@ -222,6 +251,7 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
         parse_bytes(budget, option="budget")
     _margin_spec(margin)
     # the blocks as profiled: "auto" is taken in the order the blocks run (profile's rule)
+    model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, regions=regions,
                     step_fn=step_fn)
     paths = list(costs.block_paths)

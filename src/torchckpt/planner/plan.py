@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from torchckpt._units import check_index, format_bytes
+from torchckpt.executor.policies import parse_occurrence
 from torchckpt.planner.blocks import describe_paths, structure_key
 
 __all__ = ["Plan", "PlanMismatchError", "PlanPiece", "PlannedBlock", "PlannedRegion", "fingerprint",
@@ -43,7 +44,10 @@ class PlannedBlock:
     """One block of a plan: run plainly (``plain=True``), or checkpointed keeping the outputs of ``keep``.
 
     ``keep`` lists op indices in the executor's numbering (``OpCosts.index``); it is empty for a plain
-    block and for one that recomputes everything.
+    block and for one that recomputes everything. ``keep_ops`` names the same ops as ``"aten.mm#2"`` (the
+    op and how many ops of that name ran before it in the block), which is how a block traced by
+    ``torch.compile`` keeps them (Note: [compiled plans keep ops by name and occurrence]); empty in plans
+    made before it existed, which then run eagerly only.
 
     Example:
         >>> PlannedBlock(block=4, plain=False, keep=(3, 12)).recomputes
@@ -53,6 +57,7 @@ class PlannedBlock:
     block: int
     plain: bool
     keep: tuple[int, ...] = ()
+    keep_ops: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_index("PlannedBlock.block", self.block)
@@ -65,6 +70,13 @@ class PlannedBlock:
             raise ValueError(f"PlannedBlock(block={self.block}) is plain (nothing recomputed) and cannot also list "
                              f"ops to keep ({list(keep)}); give plain=False to checkpoint it keeping those ops")
         object.__setattr__(self, "keep", keep)
+        keep_ops = tuple(self.keep_ops)
+        for text in keep_ops:
+            parse_occurrence(text)
+        if keep_ops and len(keep_ops) != len(keep):
+            raise ValueError(f"PlannedBlock(block={self.block}).keep_ops names {len(keep_ops)} ops for {len(keep)} "
+                             "kept indices; give one 'name#k' per index of keep, or none")
+        object.__setattr__(self, "keep_ops", keep_ops)
 
     @property
     def recomputes(self) -> bool:
@@ -125,6 +137,8 @@ def _piece_to_json(piece: PlanPiece) -> dict[str, Any]:
     entry: dict[str, Any] = {"block": piece.block, "plain": piece.plain}
     if not piece.plain:
         entry["keep"] = list(piece.keep)
+        if piece.keep_ops:
+            entry["keep_ops"] = list(piece.keep_ops)
     return entry
 
 
@@ -134,7 +148,8 @@ def _piece_from_json(entry: Any) -> PlanPiece:
     if "region" in entry:
         start, stop = entry["region"]
         return PlannedRegion(start=start, stop=stop, inner=tuple(_piece_from_json(p) for p in entry["inner"]))
-    return PlannedBlock(block=entry["block"], plain=entry["plain"], keep=tuple(entry.get("keep", ())))
+    return PlannedBlock(block=entry["block"], plain=entry["plain"], keep=tuple(entry.get("keep", ())),
+                        keep_ops=tuple(entry.get("keep_ops", ())))
 
 
 def fingerprint(model: nn.Module, example_inputs: tuple | dict, block_paths: list[str]) -> dict[str, Any]:

@@ -68,6 +68,7 @@ from torch import nn
 
 from torchckpt._host import paused_gc, preserved_state
 from torchckpt.executor import CheckpointHandle, checkpoint_modules
+from torchckpt.executor.compiled import eager_measurement, uncompiled
 from torchckpt.executor.kv_cache import kv_cache_off
 from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner import solve as solver
@@ -127,9 +128,11 @@ def profile(
         >>> len(costs.blocks), costs.blocks[0].input_bytes
         (2, 8192)
     """
+    model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     block_list = resolve_blocks(model, blocks)
     runner = StepRunner(model, example_inputs, loss_fn, optimizer, step_fn=step_fn)
-    with preserved_state(model, optimizer), kv_cache_off([model], while_="profiling"), paused_gc():
+    with preserved_state(model, optimizer), kv_cache_off([model], while_="profiling"), paused_gc(), \
+            eager_measurement():
         runner.clear_grads()  # the user's gradients come back afterwards; they are not part of the step
         try:
             return _measure_costs(runner, block_list, progress, regions)

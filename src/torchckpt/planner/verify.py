@@ -22,7 +22,7 @@ from torch import nn
 from torchckpt._host import host_bytes, paused_gc, preserved_rng, preserved_state
 from torchckpt._units import format_bytes
 from torchckpt.executor import recompute_checks
-from torchckpt.executor.compiled import refuse_compiled
+from torchckpt.executor.compiled import eager_measurement, uncompiled
 from torchckpt.executor.kv_cache import kv_cache_off
 from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner.apply import apply_plan
@@ -145,12 +145,12 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
         >>> report.within_budget, report.gradients_equal, report.buffers_equal
         (True, True, True)
     """
-    refuse_compiled([model], "torchckpt.verify")  # Note: [compiled models are refused]
+    model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     runner = StepRunner(model, example_inputs, loss_fn, step_fn=step_fn)
     plan.check_fits(model, example_inputs)
     # Both steps run with HF KV caches off, as profiling measured them (Note: [KV cache off while checkpointing]);
     # preserved_state: the warm-up and both steps update BatchNorm statistics: undo them.
-    with preserved_state(model), kv_cache_off([model], while_="verify_plan"), paused_gc():
+    with preserved_state(model), kv_cache_off([model], while_="verify_plan"), paused_gc(), eager_measurement():
         _measured_step(runner, seed)  # warm-up: first-call costs out of the way
         start = _buffer_bytes(model)
         plain_peak, plain_time, plain_grads = _measured_step(runner, seed)
