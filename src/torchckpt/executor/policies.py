@@ -23,7 +23,9 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +44,7 @@ __all__ = [
     "save_from_both_policies",
     "save_ops",
     "parse_occurrence",
+    "policy_by_key",
     "tag",
     "resolve_policy",
     "POLICIES",
@@ -85,6 +88,31 @@ def op_name(func: Any) -> str:
     return str(packet).replace("torch.ops.", "")
 
 
+_REGISTRY: weakref.WeakValueDictionary[str, Policy] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+def _register(policy: Policy) -> str:
+    # a str: Dynamo specialises on strings (an int that changes between compiles would become symbolic)
+    key = f"policy-{next(_KEYS)}"
+    _REGISTRY[key] = policy
+    return key
+
+
+def policy_by_key(key: str) -> Policy:
+    """The live :class:`Policy` with this ``key`` (how compiled code finds its policy again).
+
+    Example:
+        >>> policy_by_key(nothing_saveable.key) is nothing_saveable
+        True
+    """
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise LookupError(f"no live torchckpt policy has key {key}; the policy object was garbage-collected "
+                          "while compiled code still refers to it (keep the handle that applied it)") from None
+
+
 class Policy:
     """A named save policy: ``policy(op: OpInfo) -> bool`` (True keeps the op's outputs).
 
@@ -95,7 +123,8 @@ class Policy:
     """
 
     def __init__(self, name: str, decide: Callable[[OpInfo], bool], *, keeps_nothing: bool = False,
-                 by_position: bool = False, occurrences: Iterable[tuple[str, int]] | None = None) -> None:
+                 by_position: bool = False,
+                 occurrences: Iterable[tuple[str, int, int | None] | None] | None = None) -> None:
         if not callable(decide):
             raise TypeError(f"Policy {name!r}: decide must be callable; got {type(decide).__name__}")
         self.name = name
@@ -105,19 +134,19 @@ class Policy:
         self.keeps_nothing = keeps_nothing
         # A policy that decides by ``OpInfo.index`` (``save_ops``) cannot be asked under torch.compile, whose
         # traced graph numbers ops differently; ``occurrences`` says the same choice as (op name, how many ops
-        # of that name ran before it in the region), which survives tracing (Note: [compiled plans keep ops by
-        # name and occurrence], ``executor/compiled.py``).
+        # of that name ran before it in the region) -> the output's bytes, which survives tracing; None entries
+        # are ops that cannot be named in a traced graph (Note: [compiled plans keep ops by name and
+        # occurrence], ``executor/compiled.py``).
         self.by_position = by_position
-        self.occurrences = None if occurrences is None else frozenset(occurrences)
-
-        def sac_context_fn() -> tuple[Any, Any]:
-            # ``context_fn`` of torch's checkpoint under torch.compile: a plain function, as Dynamo requires
-            # (Note: [under torch.compile a region is torch's checkpoint]).
-            from torchckpt.executor.compiled import sac_contexts
-
-            return sac_contexts(self)
-
-        self.sac_context_fn = sac_context_fn
+        self.occurrences: dict[tuple[str, int], int | None] | None = None
+        self.unnamed_under_compile = 0
+        if occurrences is not None:
+            entries = list(occurrences)
+            self.occurrences = {(e[0], e[1]): e[2] for e in entries if e is not None}
+            self.unnamed_under_compile = sum(1 for e in entries if e is None)
+        # Under torch.compile, a key Dynamo guards on, so each policy gets its own graph
+        # (Note: [under torch.compile a region is torch's checkpoint]).
+        self.key = _register(self)
 
     def __call__(self, op: OpInfo) -> bool:
         return bool(self._decide(op))
@@ -189,47 +218,56 @@ def save_from_both_policies(first: PolicyLike, second: PolicyLike) -> Policy:
         "save_from_both_policies(dots_saveable, save_only_these_names('x'))"
     """
     a, b = resolve_policy(first), resolve_policy(second)
-    return Policy(f"save_from_both_policies({a.name}, {b.name})", lambda op: a(op) or b(op))
+    # a position-based side cannot be combined under torch.compile: the combination is refused there
+    return Policy(f"save_from_both_policies({a.name}, {b.name})", lambda op: a(op) or b(op),
+                  keeps_nothing=a.keeps_nothing and b.keeps_nothing, by_position=a.by_position or b.by_position)
 
 
 def save_ops(indices: Iterable[int], name: str = "save_ops", ops: Iterable[str] | None = None) -> Policy:
     """Keep the outputs of the ops at these positions of the region's forward pass.
 
     This is how a plan expresses a selective-checkpoint choice measured by the profiler. ``ops`` names
-    the same ops as ``"aten.mm#2"`` (the op, and how many ops of that name ran before it in the region),
-    one per index: the form a region traced by ``torch.compile`` is lowered with
-    (Note: [compiled plans keep ops by name and occurrence]). Without it the policy works eagerly only.
+    the same ops as ``"aten.mm#2:4096"`` (the op, how many ops of that name ran before it in the region,
+    and optionally its output's bytes), one per index, ``"-"`` for one that cannot be named in a traced
+    graph: the form a region traced by ``torch.compile`` is lowered with (Note: [compiled plans keep ops
+    by name and occurrence]). Without it the policy works eagerly only.
 
     Example:
         >>> save_ops([0, 3]).name
         'save_ops'
-        >>> sorted(save_ops([3], ops=["aten.mm#1"]).occurrences)
-        [('aten.mm', 1)]
+        >>> save_ops([3], ops=["aten.mm#1:4096"]).occurrences
+        {('aten.mm', 1): 4096}
     """
     wanted = frozenset(int(i) for i in indices)
     occurrences = None if ops is None else [parse_occurrence(op) for op in ops]
-    if occurrences is not None and len(set(occurrences)) != len(wanted):
-        raise ValueError(f"save_ops: ops names {len(set(occurrences))} distinct ops for {len(wanted)} indices; "
-                         "give one 'name#occurrence' per index (or leave ops out)")
+    named = [entry for entry in occurrences or () if entry is not None]
+    if occurrences is not None and (len(occurrences) != len(wanted) or len({e[:2] for e in named}) != len(named)):
+        raise ValueError(f"save_ops: ops lists {len(occurrences)} entries for {len(wanted)} distinct indices; "
+                         "give one distinct 'name#occurrence' (or '-') per index, or leave ops out")
     return Policy(name, lambda op: op.index in wanted, keeps_nothing=not wanted, by_position=bool(wanted),
                   occurrences=occurrences)
 
 
-def parse_occurrence(text: str) -> tuple[str, int]:
-    """``"aten.mm#2"`` as ``("aten.mm", 2)``: an op name and how many ops of that name ran before it.
+def parse_occurrence(text: str) -> tuple[str, int, int | None] | None:
+    """``"aten.mm#2:4096"`` as ``("aten.mm", 2, 4096)``: an op name, how many ops of that name ran before it,
+    and its output's bytes (optional); ``"-"`` (an op that cannot be named in a traced graph) as None.
 
     Example:
-        >>> parse_occurrence("aten.addmm#0")
-        ('aten.addmm', 0)
+        >>> parse_occurrence("aten.addmm#0:4096"), parse_occurrence("aten.mm#3"), parse_occurrence("-")
+        (('aten.addmm', 0, 4096), ('aten.mm', 3, None), None)
     """
-    name, sep, count = text.rpartition("#") if isinstance(text, str) else ("", "", "")
-    if not sep or not name or not count.isdigit():
-        raise ValueError(f"an op occurrence is written 'name#k' (e.g. 'aten.mm#2': the third aten.mm of the region); "
-                         f"got {text!r}")
-    return name, int(count)
+    if text == "-":
+        return None
+    head, _, size = text.partition(":") if isinstance(text, str) else ("", "", "")
+    name, sep, count = head.rpartition("#")
+    if not sep or not name or not count.isdigit() or (size and not size.isdigit()):
+        raise ValueError(f"an op occurrence is written 'name#k' or 'name#k:bytes' (e.g. 'aten.mm#2:4096': the third "
+                         f"aten.mm of the region, 4096 bytes), or '-'; got {text!r}")
+    return name, int(count), int(size) if size else None
 
 
 PolicyLike = Policy | str | Callable[[OpInfo], bool] | None
+
 
 POLICIES: dict[str, Policy] = {
     p.name: p for p in (nothing_saveable, everything_saveable, dots_saveable, dots_with_no_batch_dims_saveable)

@@ -13,6 +13,7 @@ Rules (collected in ``docs/design.md``):
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,8 +35,10 @@ class CheckpointHandle:
     def __init__(self, modules: list[nn.Module], cache_configs: list[Any] | None = None) -> None:
         self._modules = modules
         self._cache_configs = list(cache_configs or ())
-        # Note: [Python side effects run once under compile]
+        # Note: [Python side effects run once under compile]; a handle dropped without remove() lets go when collected
         self._side_effects = SideEffectsOnce() if modules else None
+        if self._side_effects is not None:
+            weakref.finalize(self, self._side_effects.release)
 
     @property
     def modules(self) -> list[nn.Module]:

@@ -124,11 +124,16 @@ def _drop(table: dict[int, weakref.ref], key: int, _ref: weakref.ref) -> None:
     table.pop(key, None)
 
 
+# Higher-order ops a compiled graph calls around one ordinary op (a checkpoint's RNG bookkeeping): running them
+# here runs that op, whose output is observed like any op's. Any other higher-order op is refused.
+_BODYLESS_HOPS = frozenset({"run_and_save_rng_state", "run_with_rng_state"})
+
+
 class _StorageTracker(TorchDispatchMode):
     """Dispatch mode that records every storage an op produces or reads, and its release."""
 
-    # A compiled graph calls higher-order ops (run_and_save_rng_state for a checkpoint's RNG): they run here
-    # like any op, and what they return is observed like any op's output.
+    # A compiled graph calls higher-order ops (run_and_save_rng_state for a checkpoint's RNG): those in
+    # _BODYLESS_HOPS run here like any op; the rest are refused (NotImplemented), as before.
     supports_higher_order_operators = True
 
     def __init__(self, meter: MemoryMeter) -> None:
@@ -142,6 +147,12 @@ class _StorageTracker(TorchDispatchMode):
         return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if isinstance(func, torch._ops.HigherOrderOperator) and func.name() not in _BODYLESS_HOPS:
+            # its body would run unseen (the mode is off while an op runs here): refuse instead of undercounting
+            raise NotImplementedError(
+                f"MemoryMeter cannot measure inside the higher-order op {func.name()!r} (torch.cond, flex_attention "
+                "and the like run their bodies where the meter does not see them, so the peak would be too low). "
+                "Measure a step without it, or on CUDA, where the allocator's statistics see everything")
         out = func(*args, **(kwargs or {}))
         meter = self._meter
         for value in tree_flatten((out, args, kwargs))[0]:

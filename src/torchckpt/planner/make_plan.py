@@ -7,6 +7,7 @@ without checkpointing (which the profiler measures, so it equals the measured pl
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,16 +81,21 @@ def plan_pieces(schedule: Sequence[solver.Piece], menus: Sequence[Sequence[solve
     return tuple(out)
 
 
+_REWRITTEN = re.compile(r"(_$|bernoulli|dropout|rand|normal|uniform|multinomial|poisson|exponential|geometric|cauchy)")
+
+
 def occurrence_names(block: BlockCosts, indices: Sequence[int]) -> tuple[str, ...]:
-    """``"name#k"`` for each op index of ``block``: the op's name and how many ops of that name ran before it.
+    """``"name#k:bytes"`` for each op index of ``block``: the op's name, how many ops of that name ran before
+    it, and its output bytes; ``"-"`` for an op that runs after a random or in-place op, which a traced graph
+    rewrites (Note: [compiled plans keep ops by name and occurrence]).
 
     Example:
         >>> from torchckpt.planner.costs import OpCosts
         >>> ops = tuple(OpCosts(index=i, name=n, output_bytes=4, saved=True, time_s=0.0)
-        ...             for i, n in enumerate(["aten.mm", "aten.relu", "aten.mm"]))
+        ...             for i, n in enumerate(["aten.mm", "aten.relu", "aten.mm", "aten.bernoulli_", "aten.mul"]))
         >>> block = BlockCosts(name="b", input_bytes=1, output_bytes=1, saved_bytes=1, forward_time_s=0.1, ops=ops)
-        >>> occurrence_names(block, [2])
-        ('aten.mm#1',)
+        >>> occurrence_names(block, [2, 4])
+        ('aten.mm#1:4', '-')
     """
     by_index = {op.index: op for op in block.ops}
     missing = [index for index in indices if index not in by_index]
@@ -97,8 +103,12 @@ def occurrence_names(block: BlockCosts, indices: Sequence[int]) -> tuple[str, ..
         raise ValueError(f"block {block.name!r} has no op #{missing[0]} in its measured forward pass")
     names = []
     for index in indices:
-        name = by_index[index].name
-        names.append(f"{name}#{sum(1 for op in block.ops if op.name == name and op.index < index)}")
+        before = [op for op in block.ops if op.index < index]
+        op = by_index[index]
+        if any(_REWRITTEN.search(other.name.rpartition(".")[2]) for other in before):
+            names.append("-")
+            continue
+        names.append(f"{op.name}#{sum(1 for other in before if other.name == op.name)}:{op.output_bytes}")
     return tuple(names)
 
 

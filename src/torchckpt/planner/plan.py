@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from torchckpt._units import check_index, format_bytes
+from torchckpt.executor.compiled import uncompiled
 from torchckpt.executor.policies import parse_occurrence
 from torchckpt.planner.blocks import describe_paths, structure_key
 
@@ -44,10 +45,11 @@ class PlannedBlock:
     """One block of a plan: run plainly (``plain=True``), or checkpointed keeping the outputs of ``keep``.
 
     ``keep`` lists op indices in the executor's numbering (``OpCosts.index``); it is empty for a plain
-    block and for one that recomputes everything. ``keep_ops`` names the same ops as ``"aten.mm#2"`` (the
-    op and how many ops of that name ran before it in the block), which is how a block traced by
-    ``torch.compile`` keeps them (Note: [compiled plans keep ops by name and occurrence]); empty in plans
-    made before it existed, which then run eagerly only.
+    block and for one that recomputes everything. ``keep_ops`` names the same ops as ``"aten.mm#2:4096"``
+    (the op, how many ops of that name ran before it in the block, its output bytes; ``"-"`` for one that
+    cannot be named in a traced graph), which is how a block traced by ``torch.compile`` keeps them
+    (Note: [compiled plans keep ops by name and occurrence]); empty in plans made before it existed, which
+    then run eagerly only.
 
     Example:
         >>> PlannedBlock(block=4, plain=False, keep=(3, 12)).recomputes
@@ -75,7 +77,7 @@ class PlannedBlock:
             parse_occurrence(text)
         if keep_ops and len(keep_ops) != len(keep):
             raise ValueError(f"PlannedBlock(block={self.block}).keep_ops names {len(keep_ops)} ops for {len(keep)} "
-                             "kept indices; give one 'name#k' per index of keep, or none")
+                             "kept indices; give one 'name#k:bytes' (or '-') per index of keep, or none")
         object.__setattr__(self, "keep_ops", keep_ops)
 
     @property
@@ -160,6 +162,7 @@ def fingerprint(model: nn.Module, example_inputs: tuple | dict, block_paths: lis
         >>> fp["inputs"]
         [[[3, 2], 'torch.float32']]
     """
+    model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     digest = hashlib.sha256(repr(structure_key(model)).encode()).hexdigest()[:16]
     inputs = [[list(t.shape), str(t.dtype)] for t in tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor)]
     return {"model": type(model).__name__, "structure": digest, "blocks": list(block_paths), "inputs": inputs}
