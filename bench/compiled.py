@@ -27,12 +27,8 @@ Results: ``bench/results/compiled.json`` (commit, machine, load average before a
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +37,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from torchckpt.bench.provenance import run_record, write_results
 
 RESULTS = Path(__file__).parent / "results"
 BYTES_BACKEND = "aot_eager_decomp_partition"
@@ -231,12 +229,6 @@ def run(quick: bool, fractions: list[float], backend: str, rounds: int, log: Any
             "backend": backend, "bytes_backend": BYTES_BACKEND, "budgets": rows, "timed": timed}
 
 
-def _commit() -> str:
-    found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
-                           cwd=Path(__file__).parent)
-    return found.stdout.strip() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; write and return the results.
 
@@ -262,19 +254,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"compiled: --fractions {args.fractions!r}: every value must be in [0, 1]")
     backend = args.backend or (BYTES_BACKEND if args.quick else "inductor")
     rounds = args.rounds or (2 if args.quick else 7)
-    results: dict[str, Any] = {"commit": _commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                               "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-                               "torch": torch.__version__, "threads": 1, "rounds": rounds, "quick": args.quick,
-                               "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-                               "load_before": os.getloadavg()}
+    results = run_record(Path(__file__).parent, threads=1, rounds=rounds, quick=args.quick)
     results["results"] = run(args.quick, fractions, backend, rounds, log=lambda line: print(line, flush=True))
-    results["load_after"] = os.getloadavg()
     summary = "; ".join(f"at compile {row['fraction']:g}: {row['ratio']:.3f}x" for row in results["results"]["budgets"]
                         if "ratio" in row)
     print(f"compiled {results['results']['model']}: torchckpt / compile step time {summary}", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compiled.json").write_text(json.dumps(results, indent=1))
+    write_results(results, args.out, "compiled.json")
     return results
 
 

@@ -23,11 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +34,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import torchckpt
+from torchckpt.bench.provenance import run_record, write_results
 from torchckpt.executor import OpInfo, dots_saveable
 
 RESULTS = Path(__file__).parent / "results"
@@ -147,12 +144,6 @@ def measure(name: str, quick: bool, rounds: int) -> dict[str, Any]:
     return {"model": name, "blocks": len(blocks), "methods": rows, "pairs": pairs}
 
 
-def _commit() -> str:
-    found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
-                           cwd=Path(__file__).parent)
-    return found.stdout.strip() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; write and return the results.
 
@@ -175,19 +166,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"executor_overhead: --models {args.models!r}: choose from {', '.join(MODELS)}")
     torch.set_num_threads(1)
     rounds = args.rounds or (2 if args.quick else 9)
-    results: dict[str, Any] = {"commit": _commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                               "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-                               "torch": torch.__version__, "threads": 1, "rounds": rounds, "quick": args.quick,
-                               "load_before": os.getloadavg(), "models": []}
+    results = run_record(Path(__file__).parent, threads=1, rounds=rounds, quick=args.quick, models=[])
     for name in names:
         row = measure(name, args.quick, rounds)
         results["models"].append(row)
         summary = "; ".join(f"{p['torchckpt']} / {p['torch']} = {p['ratio']:.3f}x" for p in row["pairs"])
         print(f"{name}: {summary}", flush=True)
-    results["load_after"] = os.getloadavg()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "executor_overhead.json").write_text(json.dumps(results, indent=1))
+    write_results(results, args.out, "executor_overhead.json")
     return results
 
 

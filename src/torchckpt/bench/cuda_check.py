@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 import traceback
@@ -46,20 +45,13 @@ from typing import Any
 
 import torch
 
+from torchckpt.bench.provenance import git_commit
 from torchckpt.memory import MemoryMeter, synchronize
 
 __all__ = ["SECTIONS", "main"]
 
 SECTIONS = ("meter", "decoder", "speed", "state")
 _MIB = 1 << 20
-
-
-def _git_commit() -> str:
-    try:
-        found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return found.stdout.strip() if found.returncode == 0 else "unknown"
 
 
 def _reserved(device: torch.device) -> int | None:
@@ -282,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     budget = args.budget or ("85%" if args.quick else "50%")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     results: dict[str, Any] = {
-        "commit": args.commit or _git_commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "commit": args.commit or git_commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "device": str(device), "device_name": name, "torch": torch.__version__, "python": platform.python_version(),
         "host": platform.node(), "cpu_count": os.cpu_count(), "quick": args.quick, "sections": {}}
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -12,11 +12,14 @@ from torch import nn
 
 from torchckpt.models.registry import MODELS, ModelEntry, get_model
 
-__all__ = ["FULL_MODELS", "MODELS", "QUICK_MODELS", "ModelEntry", "count_parameters", "get_model",
+__all__ = ["FULL_MODELS", "MODELS", "QUICK_MODELS", "REGIME_MODELS", "ModelEntry", "count_parameters", "get_model",
            "uses_transformers"]
 
 FULL_MODELS: tuple[str, ...] = ("gpt-small", "unet-small", "hf-llama", "hf-gpt2", "hf-t5", "gpt-small-long")
 QUICK_MODELS: tuple[str, ...] = ("gpt-tiny", "hf-llama-tiny")
+# Activations >= 3x parameters + gradients + optimizer state (the regime users are in): ``torchckpt bench
+# --models`` with these (bench/README.md).
+REGIME_MODELS: tuple[str, ...] = ("hf-llama-8x256", "hf-gpt2-8x256", "unet-small-b8", "hf-vit-224", "gpt-small-8x512")
 
 
 def count_parameters(model: nn.Module) -> int:

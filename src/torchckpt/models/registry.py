@@ -221,6 +221,25 @@ def _t5(width: int, layers: int) -> Callable[[BatchShape], tuple[nn.Module, Inpu
     return make
 
 
+def _vit(width: int, layers: int) -> Callable[[BatchShape], tuple[nn.Module, Inputs]]:
+    def make(shape: BatchShape) -> tuple[nn.Module, Inputs]:
+        import transformers
+
+        config = transformers.ViTConfig(hidden_size=width, num_hidden_layers=layers,
+                                        num_attention_heads=max(2, width // 64), intermediate_size=4 * width,
+                                        image_size=shape.image_size, patch_size=16)
+        config.num_labels = 10
+        generator = torch.Generator().manual_seed(0)
+        pixels = torch.randn(shape.batch_size, 3, shape.image_size, shape.image_size, generator=generator)
+        labels = torch.randint(0, 10, (shape.batch_size,), generator=generator)
+        return transformers.ViTForImageClassification(config), {"pixel_values": pixels, "labels": labels}
+    return make
+
+
+def _vit_blocks(model: nn.Module) -> list[nn.Module]:
+    return list(model.vit.layers)  # type: ignore[union-attr, arg-type]
+
+
 def _llama_blocks(model: nn.Module) -> list[nn.Module]:
     return list(model.model.layers)  # type: ignore[union-attr, arg-type]
 
@@ -235,7 +254,7 @@ def _t5_blocks(model: nn.Module) -> list[nn.Module]:
 
 def _entry(name: str, kind: str, layout: str, make: Callable[[BatchShape], tuple[nn.Module, Inputs]],
            shape: BatchShape, blocks: Callable[[nn.Module], list[nn.Module]], family: str) -> ModelEntry:
-    batch = (f"{shape.batch_size} x {shape.image_size} x {shape.image_size}" if family == "unet" else
+    batch = (f"{shape.batch_size} x {shape.image_size} x {shape.image_size}" if family in ("unet", "hf-vit") else
              f"{shape.batch_size} x {shape.seq_len}" + (f" -> {shape.seq_len // 2}" if family == "hf-t5" else ""))
     return ModelEntry(name=name, description=f"{kind} {layout}, batch {batch}", make=make, shape=shape,
                       blocks=blocks, family=family)
@@ -263,6 +282,15 @@ for _model in (
     _entry("hf-llama", "HF Llama", "8 x 256", _llama(256, 8), _tokens(2, 256), _llama_blocks, "hf-llama"),
     _entry("hf-gpt2", "HF GPT-2", "8 x 256", _gpt2(256, 8), _tokens(2, 256), _gpt2_blocks, "hf-gpt2"),
     _entry("hf-t5", "HF T5", "6+6 x 256", _t5(256, 6), _tokens(2, 256), _t5_blocks, "hf-t5"),
+    # The regime where activations dominate (tracker: the speed claim where it matters; bench/README.md's
+    # REGIME_MODELS): batch 8 for decoders, 32 images of 224 px for ViT.
+    _entry("gpt-small-8x512", "gpt('small')", "12 x 384", _built_in(lambda: gpt("small")), _tokens(8, 512),
+           _own_blocks, "gpt"),
+    _entry("hf-llama-8x256", "HF Llama", "8 x 256", _llama(256, 8), _tokens(8, 256), _llama_blocks, "hf-llama"),
+    _entry("hf-gpt2-8x256", "HF GPT-2", "8 x 256", _gpt2(256, 8), _tokens(8, 256), _gpt2_blocks, "hf-gpt2"),
+    _entry("hf-vit-224", "HF ViT", "12 x 192", _vit(192, 12), _images(32, 224), _vit_blocks, "hf-vit"),
+    _entry("unet-small-b8", "unet('small')", "3 levels x 2 blocks, 32 ch", _built_in(lambda: unet("small")),
+           _images(8, 64), _own_blocks, "unet"),
     # Tiny models (the benchmark's --quick, tests), seconds each.
     _entry("gpt-tiny", "gpt('tiny')", "2 x 64", _built_in(lambda: gpt("tiny")), _tokens(2, 64), _own_blocks, "gpt"),
     _entry("hf-llama-tiny", "HF Llama", "4 x 64", _llama(64, 4), _tokens(2, 64), _llama_blocks, "hf-llama"),
