@@ -27,6 +27,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, subproc
 def test_files_are_written(quick: tuple[dict, Path, subprocess.CompletedProcess]) -> None:
     results, out, _ = quick
     assert [m["name"] for m in results["models"]] == list(QUICK_MODELS)
+    assert len(results["commit"]) == 40 or results["commit"] == "unknown"  # every results file records its commit
     for model in results["models"]:
         assert (out / f"quick-{model['name']}.png").stat().st_size > 10_000
     report = (out / "quick.md").read_text()

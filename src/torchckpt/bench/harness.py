@@ -37,6 +37,7 @@ from torchckpt.bench.models import (
     get_model,
     uses_transformers,
 )
+from torchckpt.bench.provenance import git_commit
 from torchckpt.bench.worker import method_worker, planner_worker
 
 __all__ = ["PEER_LABELS", "BenchConfig", "run_benchmark"]
@@ -354,7 +355,8 @@ def run_benchmark(config: BenchConfig, log: Callable[[str], None] = print,
     context = _context(config.models)
     started = time.monotonic()
     machine = {**_machine(), "threads": config.threads}
-    results: dict[str, Any] = {"name": config.name, "config": asdict(config), "machine": machine,
+    results: dict[str, Any] = {"name": config.name, "commit": git_commit(Path(__file__).parent),
+                               "config": asdict(config), "machine": machine,
                                "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                                "models": []}
     for name in config.models:

@@ -225,7 +225,8 @@ def markdown(results: dict[str, Any]) -> str:
                     f"{machine.get('transformers')}, MALLOC_MMAP_THRESHOLD_={machine.get('malloc_mmap_threshold')}; "
                     f"load average {machine.get('load_average_at_start')} at start, "
                     f"{machine.get('load_average_at_end')} at end (the machine is shared: times are noisy). "
-                    f"Started {results.get('started')}, {results.get('wall_s', 0) / 60:.1f} min in all.")
+                    f"Started {results.get('started')}, {results.get('wall_s', 0) / 60:.1f} min in all, "
+                    f"commit {results.get('commit', 'not recorded')}.")
     settings = (f"Settings: {config.get('repeats')} interleaved timed steps per method (median, min–max), "
                 f"{config.get('warmup_steps')} warm-up step(s), {config.get('sweep_points')} sweep budgets from the "
                 "planner's floor to the plain peak, AdamW, every method in its own process. Peak = forward+backward "
