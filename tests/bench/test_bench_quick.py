@@ -31,7 +31,7 @@ def test_files_are_written(quick: tuple[dict, Path, subprocess.CompletedProcess]
     for model in results["models"]:
         assert (out / f"quick-{model['name']}.png").stat().st_size > 10_000
     report = (out / "quick.md").read_text()
-    assert report.count("**met**") + report.count("**not met**") == 5
+    assert report.count("**met**") + report.count("**not met**") == 6
     for model in results["models"]:
         assert f"### {model['name']}" in report
 
@@ -75,6 +75,8 @@ def test_torchckpt_runs_fit_their_budgets_with_exact_gradients(
             assert run["peak_bytes"] <= run["budget_bytes"], run
             assert run["predicted_peak_bytes"] <= run["budget_bytes"]
             assert run["equal"] is True, run
+            # no schedule of the cost model recomputes less than the bound: the plan never beats it
+            assert 0.0 <= run["lower_bound_s"] <= run["predicted_extra_time_s"] + 1e-12, run
         assert ran >= 3
     for model in results["models"]:  # every exact method computes the same gradients, bit for bit
         assert all(run["equal"] for run in model["runs"] if run["status"] == "ok"), model["name"]
@@ -86,6 +88,10 @@ def test_targets_are_evaluated_from_the_numbers(quick: tuple[dict, Path, subproc
     assert targets["within_budget"]["met"] and targets["within_budget"]["count"] >= 6
     assert 0 <= targets["prediction_error"]["median"] <= targets["prediction_error"]["max"]
     assert set(targets["planning_steps"]["per_model"]) == set(QUICK_MODELS)
+    bound = targets["lower_bound"]
+    assert bound["count"] == sum(1 for m in results["models"] for r in m["runs"] if "predicted_extra_time_s" in r)
+    assert bound["count_met"] == sum(r["met"] for r in bound["rows"]) and bound["count"] >= 6
+    assert all(r["ratio"] is None or r["ratio"] >= 1.0 - 1e-9 for r in bound["rows"])
     assert targets["pareto"]["count"] == sum(1 for m in results["models"] for r in m["runs"]
                                              if r["kind"] not in ("torchckpt", "compile") and r["status"] == "ok")
 

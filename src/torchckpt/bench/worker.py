@@ -155,7 +155,9 @@ def make_plans(model_name: str, peer_budgets: dict[str, int], sweep_points: int,
     """Profile ``model_name`` once (with AdamW) and solve for each peer's budget and a sweep of budgets.
 
     Returns timings, the floor, the predicted plain peak and one entry per budget: the plan's file,
-    predicted peak and extra time, solve time, or the error (an infeasible budget names the floor).
+    predicted peak and extra time, the least extra time any schedule could have there
+    (``lower_bound_s``: ``solve.recompute_lower_bound``, None where its relaxation fits nothing), solve
+    time, or the error (an infeasible budget names the floor).
 
     Example:
         >>> import tempfile
@@ -165,6 +167,7 @@ def make_plans(model_name: str, peer_budgets: dict[str, int], sweep_points: int,
     """
     from torchckpt.planner import fingerprint, no_checkpointing_schedule, plan_from_costs, profile
     from torchckpt.planner import solve as solver
+    from torchckpt.planner.make_plan import resolve_margin
 
     entry = get_model(model_name)
     model, inputs = entry.build()
@@ -192,8 +195,10 @@ def make_plans(model_name: str, peer_budgets: dict[str, int], sweep_points: int,
         else:
             path = Path(out_dir) / f"plan-{i}.json"
             made.save(path)
+            margin = resolve_margin("auto", costs, int(budget))
             item.update(plan_path=str(path), predicted_peak_bytes=made.predicted_peak_bytes,
                         predicted_extra_time_s=made.predicted_extra_time_s,
+                        lower_bound_s=solver.recompute_lower_bound(costs, int(budget), margin_bytes=margin),
                         schedule=json.loads(made.to_json())["schedule"], table=made.table())
         item["solve_s"] = time.perf_counter() - start
         plans.append(item)

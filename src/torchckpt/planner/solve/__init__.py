@@ -2,13 +2,15 @@
 
 ``block_menu`` gives each block's selective-checkpointing options, ``evaluate`` predicts a schedule's
 peak and extra time under the rules of ``torchckpt.planner.costs``, ``solve`` finds the fastest schedule
-within a budget (single blocks with menu options and nested regions), ``floor_bytes`` the least peak.
+within a budget (single blocks with menu options and nested regions), ``floor_bytes`` the least peak,
+``recompute_lower_bound`` a bound no schedule's extra time is below (the fractional-knapsack relaxation).
 """
 
 from torchckpt.planner.solve._types import InfeasibleBudgetError, MenuOption, Piece, Region, Single, Solution
 from torchckpt.planner.solve.chain_dp import DEFAULT_MEMORY_SLOTS, solve, solve_budgets
 from torchckpt.planner.solve.evaluate import evaluate
 from torchckpt.planner.solve.floor import floor_bytes, schedule_margin_bytes
+from torchckpt.planner.solve.lower_bound import recompute_lower_bound
 from torchckpt.planner.solve.menu import MENU_MAX_OPTIONS, block_menu
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "block_menu",
     "evaluate",
     "floor_bytes",
+    "recompute_lower_bound",
     "schedule_margin_bytes",
     "solve_budgets",
     "solve",
