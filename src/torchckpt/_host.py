@@ -17,17 +17,41 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["RngSnapshot", "host_bytes", "paused_gc", "preserved_rng", "preserved_state"]
+__all__ = ["RngSnapshot", "host_bytes", "local_part", "paused_gc", "preserved_rng", "preserved_state"]
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return None
+    return DTensor
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's own part of ``tensor``: the local shard of a ``DTensor`` (FSDP2's sharded parameters,
+    gradients and optimizer state), else the tensor itself.
+
+    Example:
+        >>> t = torch.ones(2)
+        >>> local_part(t) is t
+        True
+    """
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        return tensor.to_local()  # type: ignore[attr-defined]
+    return tensor
 
 
 def host_bytes(tensor: torch.Tensor) -> np.ndarray:
-    """The raw bytes of ``tensor`` as a new NumPy ``uint8`` array (contiguous, on the host).
+    """The raw bytes of ``tensor`` (of its local shard, for a ``DTensor``) as a new NumPy ``uint8`` array
+    (contiguous, on the host).
 
     Example:
         >>> host_bytes(torch.ones(2, dtype=torch.float16)).tolist()
         [0, 60, 0, 60]
     """
-    return tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().copy()
+    return local_part(tensor).detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().copy()
 
 
 @contextlib.contextmanager
@@ -111,14 +135,22 @@ class _HostTensor:
     dtype: torch.dtype
     shape: torch.Size
     device: torch.device
+    like: torch.Tensor | None = None  # a DTensor whose mesh, placements and global shape to rebuild with
 
 
 def _to_host(tensor: torch.Tensor) -> _HostTensor:
-    return _HostTensor(host_bytes(tensor), tensor.dtype, tensor.shape, tensor.device)
+    local = local_part(tensor)
+    like = tensor.detach() if local is not tensor else None
+    return _HostTensor(host_bytes(local), local.dtype, local.shape, local.device, like)
 
 
 def _from_host(saved: _HostTensor) -> torch.Tensor:
-    return torch.from_numpy(saved.data.copy()).view(saved.dtype).view(saved.shape).to(saved.device)
+    local = torch.from_numpy(saved.data.copy()).view(saved.dtype).view(saved.shape).to(saved.device)
+    if saved.like is None:
+        return local
+    like: Any = saved.like
+    return type(like).from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                 stride=like.stride())
 
 
 def _optimizer_snapshot(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
@@ -167,7 +199,8 @@ def preserved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     finally:
         with torch.no_grad():
             for name, tensor in tensors.items():
-                tensor.copy_(_from_host(saved[name]))
+                restored = _from_host(saved[name])
+                local_part(tensor).copy_(local_part(restored))
         for name, param in model.named_parameters():
             grad = grads.get(name)
             param.grad = None if grad is None else _from_host(grad)

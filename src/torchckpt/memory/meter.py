@@ -17,7 +17,12 @@ How the CPU meter counts (the rules every figure it reports obeys, named in ``do
 4. **[only the meter's device counts]** Only storages on the meter's device are counted (CPU by
    default). Meta, fake and sparse tensors own no countable storage and are ignored.
 
-5. **[compiled code is measured where its ops dispatch]** The meter's mode says
+5. **[storage resizes are seen]** ``UntypedStorage.resize_`` does not run through the dispatcher, and
+   FSDP2 frees and re-allocates its all-gathered parameters that way (``resize_(0)`` after a block's
+   forward, back to full size before its backward). While a CPU meter is active, ``resize_`` is wrapped
+   so every active meter recounts the storage at once: a freed all-gather stops counting when it is
+   freed, not when the storage is next seen.
+6. **[compiled code is measured where its ops dispatch]** The meter's mode says
    ``ignore_compile_internals``, so ``torch.compile``'d code keeps running compiled inside the meter
    (Dynamo skips frames only under modes that do not). With ``backend="aot_eager"`` every op of the
    compiled graphs dispatches through the meter, so the peak is the compiled step's; inductor's kernels
@@ -117,6 +122,32 @@ def _storage_of(tensor: torch.Tensor, device_type: str) -> torch.UntypedStorage 
         return tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+_ACTIVE_METERS: list[weakref.ref] = []  # CPU meters inside their ``with`` block: [storage resizes are seen]
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+
+
+def _resize_seen(storage: torch.UntypedStorage, size: int) -> Any:
+    """``UntypedStorage.resize_``, then every active meter recounts the storage ([storage resizes are seen])."""
+    result = _ORIGINAL_RESIZE(storage, size)
+    for ref in list(_ACTIVE_METERS):
+        meter = ref()
+        if meter is not None:
+            meter._observe_storage(storage)
+    return result
+
+
+def _watch_resizes(meter: MemoryMeter) -> None:
+    if not _ACTIVE_METERS:
+        torch.UntypedStorage.resize_ = _resize_seen  # type: ignore[method-assign,assignment]
+    _ACTIVE_METERS.append(weakref.ref(meter))
+
+
+def _unwatch_resizes(meter: MemoryMeter) -> None:
+    _ACTIVE_METERS[:] = [ref for ref in _ACTIVE_METERS if ref() is not None and ref() is not meter]
+    if not _ACTIVE_METERS:
+        torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE  # type: ignore[method-assign]
 
 
 def _drop(table: dict[int, weakref.ref], key: int, _ref: weakref.ref) -> None:
@@ -228,6 +259,7 @@ class MemoryMeter:
         self._peak = self._current
         self._mode = _StorageTracker(self)
         self._mode.__enter__()
+        _watch_resizes(self)
         return self
 
     def __exit__(
@@ -241,6 +273,7 @@ class MemoryMeter:
             self._peak = self.peak_bytes
             self._current = self.current_bytes
         elif self._mode is not None:
+            _unwatch_resizes(self)
             self._mode.__exit__(exc_type, exc, tb)
             self._mode = None
             self._refs.clear()  # figures stay as they were at exit: later frees are not ours to count
@@ -350,7 +383,11 @@ class MemoryMeter:
 
     def _observe(self, tensor: torch.Tensor) -> None:
         storage = _storage_of(tensor, self.device.type)
-        if storage is None:
+        if storage is not None:
+            self._observe_storage(storage)
+
+    def _observe_storage(self, storage: torch.UntypedStorage) -> None:
+        if storage.device.type != self.device.type:
             return
         key = id(storage)
         if key in self._uncounted:

@@ -75,6 +75,7 @@ from torchckpt.planner import solve as solver
 from torchckpt.planner.apply import wrap_region
 from torchckpt.planner.blocks import block_paths, resolve_blocks
 from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
+from torchckpt.planner.distributed import agree_costs, process_group_of, sharded_blocks_note
 from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
 from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step
 from torchckpt.planner.runner import StepFn, StepRunner
@@ -90,6 +91,7 @@ selective plans on HF Llama measured up to 64 KiB above their prediction (2 hidd
 test model). The two measured schedules (no checkpointing, every block checkpointed) keep none:
 ``fixed_bytes`` is the measured figure, without headroom."""
 
+DISTRIBUTED_WARM_UP_STEPS = 2
 _log = logging.getLogger("torchckpt")
 def profile(
     model: nn.Module,
@@ -120,6 +122,9 @@ def profile(
     the profiler cannot prove a region exact (``notes["chain"]`` says why).
     ``step_fn(model, example_inputs)``, instead of ``loss_fn``, runs the user's own forward and backward
     (``runner.StepRunner``), so the steps measure what that loop holds (the logits, say).
+    A model under ``DistributedDataParallel`` or FSDP2 is profiled by every rank of its group at once
+    (a collective), each measuring its own step; the costs returned on every rank are the largest any
+    rank measured (``planner.distributed``), so every rank makes the same plan for a per-rank budget.
 
     Example:
         >>> from torchckpt.models import gpt
@@ -129,13 +134,17 @@ def profile(
         (2, 8192)
     """
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
+    group = process_group_of(model)  # Note: [a distributed model is planned by all its ranks]
     block_list = resolve_blocks(model, blocks)
+    regions_off = sharded_blocks_note(block_list) if regions else "off (profiled with regions=False)"
     runner = StepRunner(model, example_inputs, loss_fn, optimizer, step_fn=step_fn)
     with preserved_state(model, optimizer), kv_cache_off([model], while_="profiling"), paused_gc(), \
             eager_measurement():
         runner.clear_grads()  # the user's gradients come back afterwards; they are not part of the step
+        if group is not None:
+            _engine_warm_up(runner, block_list)
         try:
-            return _measure_costs(runner, block_list, progress, regions)
+            costs = _measure_costs(runner, block_list, progress, regions_off)
         except BlockOrderError as error:
             if not (isinstance(blocks, str) and blocks == "auto"):
                 raise
@@ -144,11 +153,31 @@ def profile(
             # the order they ran in, which the failed step measured, and profile again.
             block_list = [block_list[k] for k in error.ran]
             runner.clear_grads()
-            return _measure_costs(runner, block_list, progress, regions)
+            costs = _measure_costs(runner, block_list, progress, regions_off)
+    return costs if group is None else agree_costs(costs, group)  # Note: [ranks agree on the costs]
+
+
+def _engine_warm_up(runner: StepRunner, block_list: list[nn.Module]) -> None:
+    """Note: [the distributed engine warms up unmeasured]: DDP builds its gradient buckets in the first
+    backward pass and rebuilds them, in the order gradients arrived, in the second, and keeps buffers
+    the first step with checkpointed blocks allocates; FSDP2 initialises lazily in the first. Those
+    one-time allocations must not count in a measured step, so a distributed model runs two plain
+    forward and backward passes and one with every block checkpointed first, unmeasured (no optimizer
+    step)."""
+    for checkpointed in [False] * DISTRIBUTED_WARM_UP_STEPS + [True]:
+        runner.clear_grads()
+        with MemoryMeter(runner.device):  # the steps' first run under a dispatch mode happens here too
+            if checkpointed:
+                with checkpoint_modules(block_list, policy="nothing_saveable"):
+                    runner.forward_backward()
+            else:
+                runner.forward_backward()
+    runner.clear_grads()
 
 
 def _measure_costs(runner: StepRunner, block_list: list[nn.Module],
-                   progress: Callable[[str], None] | None, regions: bool = True) -> ChainCosts:
+                   progress: Callable[[str], None] | None, regions_off: str | None = None) -> ChainCosts:
+    """The profile's steps; ``regions_off``, when given, says why plans from these costs have no regions."""
     say = progress or (lambda message: None)
     say(f"profiling step 1: {len(block_list)} blocks, every block recomputed")
     with checkpoint_modules(block_list, policy="nothing_saveable"):
@@ -166,8 +195,8 @@ def _measure_costs(runner: StepRunner, block_list: list[nn.Module],
                       [type(b).__name__ for b in block_list])
     paths = tuple(block_paths(runner.model, block_list))
     costs = replace(costs, block_paths=paths, fingerprint=fingerprint(runner.model, runner.example_inputs, list(paths)))
-    if not regions:
-        costs = replace(costs, notes={**costs.notes, "regions": "off (profiled with regions=False)"})
+    if regions_off is not None:
+        costs = replace(costs, notes={**costs.notes, "regions": regions_off})
     elif costs.chain and len(block_list) > 1:
         say("profiling step 5: a region of two blocks")
         costs = replace(costs, region_recompute_bytes=_region_residue(runner, block_list, costs))
