@@ -129,7 +129,7 @@ def _rebuild(costs: ChainCosts, numbers: list[float], notes: dict[str, str]) -> 
         for op in block["ops"]:
             op.update(output_bytes=whole(), time_s=next(it))
     data["notes"] = notes
-    if not data["chain"] and costs.chain:
+    if not data["chain"] and "chain" not in notes:  # rank 0 found a chain, another did not
         data["notes"]["chain"] = "no: another rank's profile found the blocks are not a plain chain"
     if data["chain"]:  # each block's output is the next one's input: keep them equal after taking maxima
         for before, after in zip(data["blocks"], data["blocks"][1:]):

@@ -37,6 +37,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from torchckpt._host import local_part
 from torchckpt.state.errors import (
     CheckpointCorruptError,
     UnsafeFileError,
@@ -133,6 +134,14 @@ def _encode_dict(value: dict, path: tuple[str, ...], item: str, tensors: dict[st
 def _encode_tensor(
     value: torch.Tensor, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor]
 ) -> dict[str, str]:
+    if local_part(value) is not value:
+        raise UnsupportedStateError(
+            f"item {item!r}: tensor at {_path_text(path)} is a DTensor (sharded across processes, e.g. by FSDP2's "
+            "fully_shard); torchckpt does not save sharded training state yet, and saving this rank's shard as "
+            "if it were the whole tensor would be wrong. Fix: save sharded state with "
+            "torch.distributed.checkpoint (dcp.save), or gather a full state dict "
+            "(torch.distributed.checkpoint.state_dict.get_state_dict with full_state_dict=True) and save that."
+        )
     if value.layout != torch.strided or value.is_quantized or value.device.type == "meta":
         raise UnsupportedStateError(
             f"item {item!r}: tensor at {_path_text(path)} has layout {value.layout}, device "

@@ -1,0 +1,73 @@
+"""``planner.distributed.agree_costs`` in two real gloo processes: each figure becomes the largest any rank
+measured, flags combine as documented, and ranks that measured different models are named."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import torch.multiprocessing as mp
+
+from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
+from torchckpt.planner.distributed import agree_costs
+
+
+def _costs(rank: int, op_name: str = "aten::mm") -> ChainCosts:
+    def block(k: int) -> BlockCosts:
+        big = rank == k % 2  # rank 0 measures more in block 0, rank 1 in block 1
+        last_on_rank_1 = rank == 1 and k == 1  # rank 1 found no chain: its outputs need not be inputs
+        return BlockCosts(name=f"b{k}", input_bytes=100 + 10 * big, output_bytes=100 + 20 * last_on_rank_1,
+                          saved_bytes=300 + 30 * big, forward_time_s=1.0 + big,
+                          input_held_when_plain=big and k == 1,
+                          ops=(OpCosts(index=0, name=op_name, output_bytes=40 + 4 * big, saved=True,
+                                       time_s=0.5 + big),))
+    return ChainCosts(fixed_bytes=1000 + rank, head_bytes=50 - rank, blocks=(block(0), block(1)),
+                      step_time_s=2.0 + rank, chain=rank == 0, notes={"said by": f"rank {rank}"},
+                      block_paths=("b0", "b1"))
+
+
+def _worker(rank: int, port: int, out: str, differ: bool) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        agreed = agree_costs(_costs(rank, "aten::bmm" if differ and rank == 1 else "aten::mm"))
+        result = {"fixed": agreed.fixed_bytes, "head": agreed.head_bytes, "step": agreed.step_time_s,
+                  "chain": agreed.chain, "notes": agreed.notes,
+                  "blocks": [[b.input_bytes, b.output_bytes, b.saved_bytes, b.forward_time_s,
+                              b.input_held_when_plain, b.ops[0].output_bytes, b.ops[0].time_s]
+                             for b in agreed.blocks]}
+    except ValueError as error:
+        result = {"error": str(error)}
+    with open(os.path.join(out, f"{rank}.json"), "w") as handle:
+        json.dump(result, handle)
+    dist.destroy_process_group()
+
+
+def _run(tmp_path, differ: bool) -> list[dict]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(_worker, args=(port, str(tmp_path), differ), nprocs=2, join=True, start_method="spawn")
+    return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_every_figure_is_the_largest_any_rank_measured(tmp_path) -> None:
+    results = _run(tmp_path, differ=False)
+    assert results[0] == results[1]
+    agreed = results[0]
+    assert (agreed["fixed"], agreed["head"], agreed["step"]) == (1001, 50, 3.0)
+    assert agreed["chain"] is False  # one rank found no chain: nobody plans regions
+    assert agreed["notes"]["said by"] == "rank 0" and "2 ranks profiled" in agreed["notes"]["ranks"]
+    assert "another rank" in agreed["notes"]["chain"]
+    # block 0: rank 0's larger figures; block 1: rank 1's; held-input is "any rank"
+    assert agreed["blocks"] == [[110, 100, 330, 2.0, False, 44, 1.5], [110, 120, 330, 2.0, True, 44, 1.5]]
+
+
+def test_ranks_that_measured_another_model_are_named(tmp_path) -> None:
+    results = _run(tmp_path, differ=True)
+    for result in results:
+        assert "ranks [1] profiled a different model from rank 0" in result["error"]
+        assert "Fix:" in result["error"]

@@ -1,0 +1,39 @@
+"""Sharded training state (DTensor, as FSDP2 leaves parameters and optimizer state) is refused by name, before
+anything is written: saving one rank's shard as the whole tensor would be a wrong checkpoint."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from torchckpt import Checkpointer
+from torchckpt.state import UnsupportedStateError
+
+
+@pytest.fixture
+def one_rank_group():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dtensor_parameter_is_refused_and_nothing_is_written(one_rank_group, tmp_path) -> None:
+    model = torch.nn.Linear(4, 4)
+    model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), one_rank_group, [Shard(0)]))
+    with Checkpointer(tmp_path / "ckpt") as checkpointer:
+        with pytest.raises(UnsupportedStateError, match=r"weight is a DTensor .*torch.distributed.checkpoint"):
+            checkpointer.save(1, model=model)
+        assert checkpointer.latest_step() is None
+        checkpointer.save(1, extras={"w": torch.ones(2)})  # the Checkpointer still works afterwards
+        assert checkpointer.latest_step() == 1
