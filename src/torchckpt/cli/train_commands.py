@@ -4,10 +4,15 @@ under a memory budget, resumable bit-exactly. Errors print one line and exit 2; 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import TYPE_CHECKING
 
 from torchckpt.cli import positive_int
 from torchckpt.models import GPT_SIZES
+
+if TYPE_CHECKING:
+    from torchckpt.train import TrainConfig
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -19,12 +24,15 @@ def _run(args: argparse.Namespace) -> int:
     try:
         config = TrainConfig(budget=args.budget, size=args.size, model=args.model, batch_size=args.batch_size,
                              seq_len=args.seq_len, steps=args.steps, save_every=args.save_every, seed=args.seed,
-                             lr=args.lr, dir=args.dir, threads=args.threads)
+                             lr=args.lr, dir=args.dir, threads=args.threads, save=not args.no_save)
+        if args.nproc > 1:
+            return _launch(args, config)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        print(f"torchckpt train: {config.run_dir} | budget {config.budget} | batch {config.batch_size} x "
-              f"{config.seq_len} tokens | {config.steps} steps, checkpoint every {config.save_every} | CPU, "
-              f"{torch.get_num_threads()} threads", flush=True)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
+            print(f"torchckpt train: {config.run_dir} | budget {config.budget} | batch {config.batch_size} x "
+                  f"{config.seq_len} tokens | {config.steps} steps, checkpoint every {config.save_every} | CPU, "
+                  f"{torch.get_num_threads()} threads", flush=True)
         train(config, say=lambda text: print(text, flush=True))
     except (ValueError, TypeError, FileNotFoundError, ImportError, CheckpointError) as error:
         print(f"torchckpt train: error: {error}", file=sys.stderr)
@@ -33,6 +41,24 @@ def _run(args: argparse.Namespace) -> int:
         print("torchckpt train: interrupted before training started; nothing was saved", file=sys.stderr)
         return 130
     return 0
+
+
+def _launch(args: argparse.Namespace, config: TrainConfig) -> int:
+    """``--nproc N``: the same command on N processes under torchrun (torchckpt.train.distributed.launch)."""
+    from torchckpt.train import TrainError
+    from torchckpt.train.distributed import launch
+
+    if config.save:  # refused here, before N processes start, as each of them would refuse
+        raise TrainError(f"--nproc {args.nproc}: torchckpt cannot save sharded (FSDP2) training state yet, and one "
+                         "process's shard is not the model. Fix: add --no-save to train without checkpoints (the "
+                         "run cannot be resumed), or train in one process")
+    forwarded = ["--budget", str(config.budget), "--size", config.size, "--batch-size", str(config.batch_size),
+                 "--seq-len", str(config.seq_len), "--steps", str(config.steps), "--save-every",
+                 str(config.save_every), "--seed", str(config.seed), "--lr", repr(config.lr), "--dir", config.dir,
+                 "--no-save"]
+    forwarded += ["--model", config.model] if config.model is not None else []
+    forwarded += ["--threads", str(config.threads)] if config.threads is not None else []
+    return launch(args.nproc, forwarded)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,4 +84,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="CPU threads (default: PyTorch's choice); resume with the same number for bitwise "
                              "equal losses")
+    parser.add_argument("--no-save", action="store_true",
+                        help="train without saving checkpoints (needed on several processes for now)")
+    parser.add_argument("--nproc", type=positive_int, default=1,
+                        help="train on N local processes under torchrun, the model sharded with FSDP2; the budget "
+                             "is per process (same as: torchrun --nproc-per-node N -m torchckpt train ...)")
     parser.set_defaults(func=_run)

@@ -54,6 +54,7 @@ class TrainConfig:
     dropout: float = 0.1
     dir: str = "runs/demo"
     threads: int | None = None
+    save: bool = True
 
     def __post_init__(self) -> None:
         check_budget(self.budget)

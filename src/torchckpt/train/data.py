@@ -13,6 +13,7 @@ import hashlib
 import sysconfig
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -110,8 +111,12 @@ class ByteChunks(Dataset):
         return torch.stack([ids for ids, _ in items]), torch.stack([targets for _, targets in items])
 
 
-def make_loader(dataset: ByteChunks, batch_size: int, seed: int):
+def make_loader(dataset: ByteChunks, batch_size: int, seed: int, rank: int = 0, world: int = 1):
     """A StatefulDataLoader that shuffles with its own seeded generator (epoch after epoch, resumable).
+
+    With ``world`` > 1 (``torchckpt train`` under torchrun), rank ``rank`` gets its own share of each
+    epoch (torchdata's ``StatefulDistributedSampler``, seeded with ``seed``: the ranks' shares are disjoint);
+    the caller calls ``loader.sampler.set_epoch(n)`` before epoch ``n``.
 
     Example:
         >>> data = np.frombuffer(bytes(range(200)), dtype=np.uint8)
@@ -121,14 +126,22 @@ def make_loader(dataset: ByteChunks, batch_size: int, seed: int):
     """
     try:
         from torchdata.stateful_dataloader import StatefulDataLoader
-        from torchdata.stateful_dataloader.sampler import RandomSampler
+        from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler
     except ImportError:
         raise ImportError("torchckpt train needs torchdata for a resumable data loader: "
                           "pip install torchckpt[train] (or pip install torchdata)") from None
     if len(dataset) < batch_size:
         raise ValueError(f"--batch-size {batch_size} is more than the {len(dataset)} sequences in the training text; "
                          "use a smaller --batch-size or --seq-len")
-    sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
+    if len(dataset) < batch_size * world:
+        raise ValueError(f"--batch-size {batch_size} on each of {world} processes needs {batch_size * world} "
+                         f"sequences; the training text holds {len(dataset)}; use a smaller --batch-size or --seq-len")
+    sampler: Any
+    if world > 1:
+        sampler = StatefulDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed,
+                                             drop_last=True)
+    else:
+        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in recent torch
         warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")
         return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)

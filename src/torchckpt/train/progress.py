@@ -8,7 +8,7 @@ from typing import TextIO
 
 from torchckpt._units import format_bytes
 
-__all__ = ["Display", "PlainDisplay", "RichDisplay", "StepReport", "make_display"]
+__all__ = ["Display", "PlainDisplay", "QuietDisplay", "RichDisplay", "StepReport", "make_display"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,7 +21,7 @@ class StepReport:
     tokens_per_s: float
     peak_bytes: int
     budget_bytes: int
-    next_checkpoint_step: int
+    next_checkpoint_step: int | None  # None: the run saves nothing (--no-save)
     next_checkpoint_s: float
 
     def line(self) -> str:
@@ -32,9 +32,10 @@ class StepReport:
             ...            budget_bytes=2**21, next_checkpoint_step=5, next_checkpoint_s=1.5).line()
             'step 3/10  loss 2.5000  1,000 tok/s  peak 1.00 MiB / budget 2.00 MiB  checkpoint at step 5 in ~2 s'
         """
+        saving = ("no checkpoints" if self.next_checkpoint_step is None
+                  else f"checkpoint at step {self.next_checkpoint_step} in ~{self.next_checkpoint_s:.0f} s")
         return (f"step {self.step}/{self.total_steps}  loss {self.loss:.4f}  {self.tokens_per_s:,.0f} tok/s  "
-                f"peak {format_bytes(self.peak_bytes)} / budget {format_bytes(self.budget_bytes)}  "
-                f"checkpoint at step {self.next_checkpoint_step} in ~{self.next_checkpoint_s:.0f} s")
+                f"peak {format_bytes(self.peak_bytes)} / budget {format_bytes(self.budget_bytes)}  {saving}")
 
 
 class Display:
@@ -50,6 +51,20 @@ class Display:
 
     def close(self) -> None:
         """Stop a live display (idempotent)."""
+
+
+class QuietDisplay(Display):
+    """Shows nothing (the ranks other than 0 of a run on several processes).
+
+    Example:
+        >>> QuietDisplay().message("not shown")
+    """
+
+    def step(self, report: StepReport) -> None:
+        """Show nothing."""
+
+    def message(self, text: str) -> None:
+        """Show nothing."""
 
 
 class PlainDisplay(Display):

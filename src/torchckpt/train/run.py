@@ -35,13 +35,16 @@ from torch import nn
 from torchckpt._units import format_bytes
 from torchckpt.memory import MemoryMeter
 from torchckpt.models import BatchShape, ModelSpecError, gpt, load_model
-from torchckpt.planner import Plan, apply_plan, default_loss, preserved_state
+from torchckpt.planner import Plan, apply_plan, default_loss, plan_without_side_effects, preserved_state
+from torchckpt.planner.blocks import resolve_blocks
 from torchckpt.state import Checkpointer
 from torchckpt.state.format import step_dir_name
 from torchckpt.train.config import TrainConfig
 from torchckpt.train.data import ByteChunks, load_stdlib_corpus, make_loader
+from torchckpt.train.distributed import Ranks, join_process_group, shard_model
 from torchckpt.train.planning import load_or_make_plan
-from torchckpt.train.progress import Display, StepReport, make_display
+from torchckpt.train.progress import Display, QuietDisplay, StepReport, make_display
+from torchckpt.train.records import LossLog, NotSaved
 
 __all__ = ["WARMUP_STEPS", "TrainError", "build_model", "format_summary", "train"]
 
@@ -132,39 +135,6 @@ def _measure_plain_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
     return {"peak_bytes": meter.peak_bytes, "step_s": step_s}
 
 
-class _LossLog:
-    """losses.jsonl: one line per step, the loss as float.hex (bitwise) and as a number
-    ([everything the next step needs is saved])."""
-
-    def __init__(self, path: Path, keep_through_step: int) -> None:
-        self.path = path
-        lines = path.read_text().splitlines() if path.is_file() else []
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= keep_through_step]
-        path.write_text("".join(line + "\n" for line in kept))
-        self._handle = path.open("a")
-
-    def write(self, step: int, loss: float) -> None:
-        self._handle.write(json.dumps({"step": step, "loss_hex": loss.hex(), "loss": loss}) + "\n")
-        self._handle.flush()
-
-    def close(self) -> None:
-        self._handle.close()
-
-
-def read_losses(run_dir: str | Path) -> dict[int, str]:
-    """The run's per-step losses as ``{step: float.hex}`` (what resume tests compare bitwise).
-
-    Example:
-        >>> read_losses("/nonexistent")
-        {}
-    """
-    path = Path(run_dir) / "losses.jsonl"
-    if not path.is_file():
-        return {}
-    entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {entry["step"]: entry["loss_hex"] for entry in entries}
-
-
 @torch.no_grad()
 def _validation_loss(model: nn.Module, dataset: ByteChunks, batch_size: int) -> float:
     was_training = model.training
@@ -228,7 +198,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             else "mean step not measured (the first step of a process is not timed)")),
         "sample (temperature 0.8):",
         sample,
-        f"checkpoints: {s['checkpoints']} (steps {', '.join(map(str, s['checkpoint_steps']))})",
+        (f"checkpoints: {s['checkpoints']} (steps {', '.join(map(str, s['checkpoint_steps']))})"
+         if s["checkpoint_steps"] else f"checkpoints: none ({s['checkpoints']})"),
     ])
 
 
@@ -257,8 +228,17 @@ def train(config: TrainConfig, *, say: Callable[[str], None] = print, display: D
     record = _check_identity(run_dir, config)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    checkpointer = Checkpointer(run_dir / "checkpoints", keep_last=3, save_every_steps=config.save_every,
-                                save_on_preemption=True)
+    ranks = join_process_group()  # Note: [the main job runs on torchrun]
+    if ranks is not None and config.save:  # Note: [sharded state is not saved until it can be saved right]
+        ranks.leave()
+        raise TrainError(f"training on {ranks.world} processes: torchckpt cannot save sharded (FSDP2) training "
+                         "state yet, and one rank's shard is not the model. Fix: pass --no-save to train without "
+                         "checkpoints (the run cannot be resumed), or train in one process")
+    if ranks is not None and not ranks.leader:  # Note: [rank 0 speaks for the run]
+        say, display, live = (lambda text: None), QuietDisplay(), False
+    checkpointer: Checkpointer | NotSaved = (
+        Checkpointer(run_dir / "checkpoints", keep_last=3, save_every_steps=config.save_every,
+                     save_on_preemption=True) if config.save else NotSaved())
     try:
         finished = _finished_summary(config, checkpointer)
         if finished is not None:
@@ -269,21 +249,27 @@ def train(config: TrainConfig, *, say: Callable[[str], None] = print, display: D
             return finished
         _seed_everything(config.seed)
         model, description = build_model(config)
+        if ranks is not None:
+            shard_model(model, resolve_blocks(model, "auto"))
+            description += f"; FSDP2 over {ranks.world} processes (fully_shard per block), budget per process"
         corpus = load_stdlib_corpus()
         train_set = ByteChunks(corpus.train, config.seq_len)
         validation_set = ByteChunks(corpus.validation, config.seq_len)
         if len(validation_set) < config.batch_size:
             raise TrainError(f"the validation text holds {len(validation_set)} sequences of --seq-len "
                              f"{config.seq_len}, fewer than --batch-size {config.batch_size}; lower either")
-        loader = make_loader(train_set, config.batch_size, config.seed)
+        loader = make_loader(train_set, config.batch_size, config.seed, *((ranks.rank, ranks.world) if ranks else ()))
         say(f"model: {description}")
         say(f"text: {corpus.describe()}")
-        return _run(config, record, model, train_set, validation_set, loader, checkpointer, say, display, live)
+        return _run(config, record, model, train_set, validation_set, loader, checkpointer, say, display, live,
+                    ranks)
     finally:
         checkpointer.close()
+        if ranks is not None:
+            ranks.leave()
 
 
-def _finished_summary(config: TrainConfig, checkpointer: Checkpointer) -> dict[str, Any] | None:
+def _finished_summary(config: TrainConfig, checkpointer: Checkpointer | NotSaved) -> dict[str, Any] | None:
     """The saved summary when the newest checkpoint is at or past --steps and the summary describes it."""
     latest = checkpointer.latest_step()
     path = config.run_dir / "summary.json"
@@ -294,32 +280,43 @@ def _finished_summary(config: TrainConfig, checkpointer: Checkpointer) -> dict[s
 
 
 def _plan(config: TrainConfig, record: dict[str, Any], model: nn.Module, example: tuple,
-          say: Callable[[str], None]) -> tuple[Plan, dict[str, float]]:
+          say: Callable[[str], None], ranks: Ranks | None) -> tuple[Plan, dict[str, float]]:
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    say(f"planning activation checkpointing for a budget of {config.budget} (whole step: parameters, gradients, "
-        "AdamW state, activations) ...")
-    plan, how = load_or_make_plan(run_dir / "plan.json", model, example, config.budget, record.get("plan_budget"))
+    per = f" per process, on each of {ranks.world}" if ranks else ""
+    say(f"planning activation checkpointing for a budget of {config.budget}{per} (whole step: parameters, "
+        "gradients, AdamW state, activations) ...")
     baseline_path = run_dir / "baseline.json"
+    if ranks is None:
+        plan, how = load_or_make_plan(run_dir / "plan.json", model, example, config.budget, record.get("plan_budget"))
+    else:  # every rank plans (a collective: Note: [a distributed model is planned by all its ranks])
+        plan = plan_without_side_effects(model, example, config.budget)
+        how = f"planned on {ranks.world} processes, one plan for all; saved to {run_dir / 'plan.json'}"
+        if ranks.leader:
+            plan.save(run_dir / "plan.json")
     if how.startswith("reused") and baseline_path.is_file():
         baseline = json.loads(baseline_path.read_text())
     else:
         baseline = _measure_plain_step(model, example)
-        baseline_path.write_text(json.dumps(baseline))
+        if ranks is not None:
+            baseline["peak_bytes"] = ranks.largest(int(baseline["peak_bytes"]))
+        if ranks is None or ranks.leader:
+            baseline_path.write_text(json.dumps(baseline))
     record["plan_budget"] = config.budget
-    (run_dir / "run.json").write_text(json.dumps(record, indent=1))
+    if ranks is None or ranks.leader:
+        (run_dir / "run.json").write_text(json.dumps(record, indent=1))
     say(how)
     say(plan.table())
     return plan, baseline
 
 
 def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_set: ByteChunks,
-         validation_set: ByteChunks, loader: Any, checkpointer: Checkpointer, say: Callable[[str], None],
-         display: Display | None, live: bool | None) -> dict[str, Any]:
+         validation_set: ByteChunks, loader: Any, checkpointer: Checkpointer | NotSaved,
+         say: Callable[[str], None], display: Display | None, live: bool | None, ranks: Ranks | None) -> dict[str, Any]:
     run_dir = config.run_dir
     summary_path = run_dir / "summary.json"
     example = train_set.batch(range(config.batch_size))
-    plan, baseline = _plan(config, record, model, example, say)
+    plan, baseline = _plan(config, record, model, example, say, ranks)
     del example  # profiled as the step's batch; kept alive beside the loader's batches it would count twice
     handle = apply_plan(model, plan)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -335,7 +332,7 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
         if progress.get("plan_budget_bytes") != plan.budget_bytes:  # a new plan: its peak and times start afresh
             progress.update(peak_bytes=0, timed_steps=0, timed_s=0.0, plan_budget_bytes=plan.budget_bytes)
     if step < config.steps:
-        step = _train_steps(config, plan, step, items, checkpointer, display, live)
+        step = _train_steps(config, plan, step, items, checkpointer, display, live, ranks)
     elif step > config.steps:
         say(f"{run_dir} is already at step {step}, beyond --steps {config.steps}; reporting it")
     if checkpointer.latest_step() != step:
@@ -345,30 +342,39 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
     summary = {
         "step": step, "train_loss": progress["last_loss"],
         "validation_loss": _validation_loss(model, validation_set, config.batch_size),
-        "sample": _sample(model, config.seq_len, config.seed), "peak_bytes": progress["peak_bytes"],
+        "sample": _sample(model, config.seq_len, config.seed),
+        "peak_bytes": ranks.largest(int(progress["peak_bytes"])) if ranks else progress["peak_bytes"],
         "budget_bytes": plan.budget_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
         "plain_peak_bytes": baseline["peak_bytes"], "predicted_extra_s": plan.predicted_extra_time_s,
         "plain_step_s": baseline["step_s"],
         "mean_step_s": progress["timed_s"] / progress["timed_steps"] if progress["timed_steps"] else None,
         "checkpoints": str(checkpointer.directory), "checkpoint_steps": checkpoint_steps,
     }
+    if ranks is not None:
+        summary["processes"] = ranks.world
     handle.remove()
-    summary_path.write_text(json.dumps(summary, indent=1))
+    if ranks is None or ranks.leader:
+        summary_path.write_text(json.dumps(summary, indent=1))
     say(format_summary(summary))
     return summary
 
 
-def _train_steps(config: TrainConfig, plan: Plan, step: int, items: dict[str, Any], checkpointer: Checkpointer,
-                 display: Display | None, live: bool | None) -> int:
+def _train_steps(config: TrainConfig, plan: Plan, step: int, items: dict[str, Any],
+                 checkpointer: Checkpointer | NotSaved, display: Display | None, live: bool | None,
+                 ranks: Ranks | None) -> int:
     model, optimizer, scheduler, loader, progress = (items[k] for k in ("model", "optimizer", "scheduler", "loader",
                                                                           "progress"))
-    log = _LossLog(config.run_dir / "losses.jsonl", keep_through_step=step)
+    log = LossLog(config.run_dir / "losses.jsonl", keep_through_step=step) if ranks is None or ranks.leader else None
     display = display or make_display(config.steps, live)
-    tokens = config.batch_size * config.seq_len
+    tokens = config.batch_size * config.seq_len * (ranks.world if ranks else 1)  # every process's batch
     recent_s: list[float] = []
     first_of_session = True
+    epoch = 0
     try:
         while step < config.steps:
+            if hasattr(loader.sampler, "set_epoch"):  # the distributed sampler: a new shuffle each epoch
+                loader.sampler.set_epoch(epoch)
+            epoch += 1
             for ids, targets in loader:
                 step += 1
                 start = time.perf_counter()
@@ -382,6 +388,8 @@ def _train_steps(config: TrainConfig, plan: Plan, step: int, items: dict[str, An
                     value = loss.item()
                     del loss
                 step_s = time.perf_counter() - start
+                if ranks is not None:  # Note: [rank 0 speaks for the run]: the mean of the ranks' losses
+                    value = ranks.mean(value)
                 if not first_of_session:  # the first step of a process pays for allocation and warm-up
                     progress["timed_steps"] += 1
                     progress["timed_s"] += step_s
@@ -389,12 +397,14 @@ def _train_steps(config: TrainConfig, plan: Plan, step: int, items: dict[str, An
                 recent_s = (recent_s + [step_s])[-10:]
                 progress["peak_bytes"] = max(progress["peak_bytes"], meter.peak_bytes)
                 progress["last_loss"] = value
-                log.write(step, value)
+                if log is not None:
+                    log.write(step, value)
                 next_save = min(config.steps, (step // config.save_every + 1) * config.save_every)
                 mean_s = sum(recent_s) / len(recent_s)
                 display.step(StepReport(step=step, total_steps=config.steps, loss=value, tokens_per_s=tokens / step_s,
                                         peak_bytes=meter.peak_bytes, budget_bytes=plan.budget_bytes,
-                                        next_checkpoint_step=next_save, next_checkpoint_s=(next_save - step) * mean_s))
+                                        next_checkpoint_step=next_save if config.save else None,
+                                        next_checkpoint_s=(next_save - step) * mean_s))
                 if not math.isfinite(value):
                     raise TrainError(f"the loss is {value} at step {step}; lower --lr (now {config.lr})")
                 if checkpointer.maybe_save(step, metrics={"loss": value}, **items):
@@ -407,5 +417,6 @@ def _train_steps(config: TrainConfig, plan: Plan, step: int, items: dict[str, An
         raise
     finally:
         display.close()
-        log.close()
+        if log is not None:
+            log.close()
     return step
