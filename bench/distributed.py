@@ -7,7 +7,8 @@ measure the planned step on every rank against the same distributed step without
 
     MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python bench/distributed.py
 
-Writes bench/results/distributed.json (``--out``) with the commit it ran on; prints one line per run.
+Writes bench/results/distributed.json (``--out``) with the commit it ran on; prints one line per run, then
+the table docs/distributed.md shows (``results_table``; a test checks the page against the committed file).
 Targets (issue 16): on every rank, measured peak <= budget; median prediction error <= 5%; gradients and
 buffers bitwise equal; under FSDP2 the planned step all-gathers exactly as often as the plain one.
 """
@@ -33,7 +34,7 @@ def summarize(records: list[dict]) -> dict:
 
     Example:
         >>> item = {"budget_bytes": 100, "predicted_peak_bytes": 99, "measured_peak_bytes": 98,
-        ...         "gradients_equal": True, "buffers_equal": True, "plan": "{}"}
+        ...         "no_checkpointing_peak_bytes": 200, "gradients_equal": True, "buffers_equal": True, "plan": "{}"}
         >>> summarize([{"plans": [item]}])["within_budget"]
         True
     """
@@ -47,6 +48,35 @@ def summarize(records: list[dict]) -> dict:
             "no_extra_all_gather": all(plain == planned for plain, planned in gathers) if gathers else None,
             "measured_over_plain": [i["measured_peak_bytes"] / i["no_checkpointing_peak_bytes"]
                                     for i in records[0]["plans"]]}
+
+
+def results_table(results: dict) -> str:
+    """The Markdown table docs/distributed.md shows, from a results file of this script.
+
+    Example:
+        >>> item = {"budget_bytes": 2**20, "predicted_peak_bytes": 2**20, "measured_peak_bytes": 2**20,
+        ...         "no_checkpointing_peak_bytes": 2**21, "gradients_equal": True, "buffers_equal": True, "plan": "{}"}
+        >>> records = [{"plans": [item]}]
+        >>> run = {"kind": "ddp", "model": "m", "world": 2, "ranks": records, "summary": summarize(records)}
+        >>> results_table({"runs": [run]}).splitlines()[-1]
+        '| DDP, m | 2 | 1.0 | 50% | yes | 0.000% (+0.000% .. +0.000%) | yes | n/a (DDP) |'
+    """
+    rows = ["| run | processes | per-process budgets, MiB (floor .. plain) | floor / plain peak | measured <= budget "
+            "on every process | prediction error, median (range) | gradients and buffers bitwise | all-gathers per "
+            "step, plain = planned |", "|---|---|---|---|---|---|---|---|"]
+    names = {"fsdp": "FSDP2", "ddp": "DDP", "ddp-static": "DDP static_graph"}
+    for entry in results["runs"]:
+        plans, summary = entry["ranks"][0]["plans"], entry["summary"]
+        low, high = summary["error_range"]
+        floor = plans[0]["measured_peak_bytes"] / plans[0]["no_checkpointing_peak_bytes"]
+        gathers = summary["no_extra_all_gather"]
+        gathered = ("n/a (DDP)" if gathers is None else
+                    f"{plans[0]['all_gathers_plain']} = {plans[0]['all_gathers_planned']}" if gathers else "NO")
+        budgets = ", ".join(f"{item['budget_bytes'] / 2**20:.1f}" for item in plans)
+        rows.append(f"| {names[entry['kind']]}, {entry['model']} | {entry['world']} | {budgets} | {floor:.0%} | "
+                    f"{'yes' if summary['within_budget'] else 'NO'} | {summary['median_abs_error'] * 100:.3f}% "
+                    f"({low * 100:+.3f}% .. {high * 100:+.3f}%) | {'yes' if summary['exact'] else 'NO'} | {gathered} |")
+    return "\n".join(rows)
 
 
 def _parse_run(text: str) -> tuple[str, str, int, int]:
@@ -89,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                                              for e in entries))
     out = Path(args.out)
     path = write_results(results, out.parent, out.name)
+    print(results_table(results))
     print(f"targets met on every run: {results['all_met']}; wrote {path}")
     return 0
 
