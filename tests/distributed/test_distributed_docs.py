@@ -79,3 +79,12 @@ def test_training_commands_run_as_written(tmp_path: Path) -> None:
     assert [node.returncode for node in nodes] == [0, 0], outputs
     summary = json.loads((tmp_path / "runs" / "nodes" / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["peak_bytes"] <= summary["budget_bytes"]
+
+
+def test_the_readme_shows_only_commands_this_page_runs() -> None:
+    readme = (PAGE.parents[1] / "README.md").read_text()
+    section = readme.split("### Several processes, several machines", 1)[1].split("\n### ", 1)[0]
+    shown = [line for block in re.findall(r"```bash\n(.*?)```", section, flags=re.DOTALL)
+             for line in block.splitlines() if line.strip()]
+    run_here = {line for block in _blocks("bash") for line in block.splitlines() if line.strip()}
+    assert len(shown) == 3 and set(shown) <= run_here
