@@ -266,13 +266,19 @@ def _infeasible(chain: Chain, budget_bytes: int, floor: int, schedule: tuple[Pie
                                        "head_bytes": costs.head_bytes, "margin_bytes": margin, "binding": binding}
     with_margin = (f" + a margin of {format_bytes(margin)} (this plan was not measured when profiling)"
                    if margin else "")
+    if "FSDP2 units" in costs.notes.get("regions", ""):  # already sharded: more processes shard further
+        sharding = "or more processes to shard over (each holds 1/N of parameters, gradients and optimizer state)"
+    elif "ranks" in costs.notes:  # DDP: every process holds a full replica
+        sharding = "or FSDP2 (fully_shard) instead of DDP, to shard parameters, gradients and optimizer state"
+    else:
+        sharding = "or sharding parameters, gradients and optimizer state (FSDP/ZeRO)"
     message = (f"budget {budget_bytes} bytes ({format_bytes(budget_bytes)}) is below the smallest feasible "
                f"peak (predicted), {floor} bytes ({format_bytes(floor)}) = fixed {format_bytes(costs.fixed_bytes)} "
                f"(parameters, gradients, optimizer state, batch, activations outside the blocks) + "
                f"{format_bytes(floor - margin - costs.fixed_bytes)} that the blocks and the head need at least"
                f"{with_margin}, reached at {binding} even with every block recomputed. Try a smaller batch or "
-               f"sequence length, offloading (optimizer state or activations to CPU), or sharding parameters, "
-               f"gradients and optimizer state (FSDP/ZeRO); any budget >= {floor} bytes is feasible.")
+               f"sequence length, offloading (optimizer state or activations to CPU), {sharding}; any budget >= "
+               f"{floor} bytes is feasible.")
     return InfeasibleBudgetError(budget_bytes, floor, breakdown, message)
 
 
