@@ -135,22 +135,25 @@ class _HostTensor:
     dtype: torch.dtype
     shape: torch.Size
     device: torch.device
-    like: torch.Tensor | None = None  # a DTensor whose mesh, placements and global shape to rebuild with
+    # a DTensor's (type, mesh, placements, global shape, stride) to rebuild it with; not the tensor itself,
+    # which would keep its shard (a gradient about to be cleared, say) alive and counted by a meter
+    sharding: tuple[Any, ...] | None = None
 
 
 def _to_host(tensor: torch.Tensor) -> _HostTensor:
     local = local_part(tensor)
-    like = tensor.detach() if local is not tensor else None
-    return _HostTensor(host_bytes(local), local.dtype, local.shape, local.device, like)
+    sharded: Any = tensor
+    sharding = None if local is tensor else (type(tensor), sharded.device_mesh, tuple(sharded.placements),
+                                             tensor.shape, tensor.stride())
+    return _HostTensor(host_bytes(local), local.dtype, local.shape, local.device, sharding)
 
 
 def _from_host(saved: _HostTensor) -> torch.Tensor:
     local = torch.from_numpy(saved.data.copy()).view(saved.dtype).view(saved.shape).to(saved.device)
-    if saved.like is None:
+    if saved.sharding is None:
         return local
-    like: Any = saved.like
-    return type(like).from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                                 stride=like.stride())
+    kind, mesh, placements, shape, stride = saved.sharding
+    return kind.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def _optimizer_snapshot(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:

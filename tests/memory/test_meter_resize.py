@@ -3,7 +3,11 @@ parameters) changes the meter's figures at once, and the wrapper is gone when no
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import torch
+import torch.distributed as dist
 
 from torchckpt import MemoryMeter
 
@@ -35,3 +39,35 @@ def test_nested_meters_both_see_a_resize() -> None:
             tensor.untyped_storage().resize_(2048)
             assert outer.current_bytes == 2048
         assert outer.peak_bytes == 2048
+
+
+def test_a_resize_on_another_thread_is_not_this_meters() -> None:
+    """A meter's dispatch mode sees its own thread's ops only; its resizes likewise."""
+    elsewhere = torch.empty(1 << 18)  # 1 MiB, made before the meter and freed on another thread
+    with MemoryMeter(include_existing=False) as meter:
+        worker = threading.Thread(target=lambda: elsewhere.untyped_storage().resize_(2 << 20))
+        worker.start()
+        worker.join()
+        assert meter.current_bytes == 0 and meter.peak_bytes == 0
+
+
+def test_a_dtensor_counts_as_its_local_shard() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, 1, is_master=True), rank=0,
+                            world_size=1)
+    try:
+        sharded = distribute_tensor(torch.ones(512, 256), init_device_mesh("cpu", (1,)), [Shard(0)])  # 512 KiB
+        with MemoryMeter() as meter:
+            assert meter.baseline_bytes >= 512 * 1024
+            doubled = sharded * 2  # DTensor ops run on the shard with the meter's mode set aside
+            zeros = torch.zeros_like(sharded)
+            assert meter.current_bytes - meter.baseline_bytes == 2 * 512 * 1024
+            del doubled, zeros
+            assert meter.current_bytes == meter.baseline_bytes
+    finally:
+        dist.destroy_process_group()

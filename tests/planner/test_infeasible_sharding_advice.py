@@ -8,13 +8,12 @@ import pytest
 from torchckpt.planner.costs import BlockCosts, ChainCosts
 from torchckpt.planner.solve import InfeasibleBudgetError, solve
 
-FSDP_NOTE = "off: 2 blocks are FSDP2 units (fully_shard), whose parameters are all-gathered around each block"
-
 
 @pytest.mark.parametrize(("notes", "advice"), [
     ({}, "sharding parameters, gradients and optimizer state (FSDP/ZeRO)"),
-    ({"ranks": "2 ranks profiled"}, "FSDP2 (fully_shard) instead of DDP"),
-    ({"ranks": "2 ranks profiled", "regions": FSDP_NOTE}, "more processes to shard over")])
+    ({"ranks": "2 ranks profiled", "engine": "DDP"}, "FSDP2 (fully_shard) instead of DDP"),
+    ({"ranks": "2 ranks profiled", "engine": "FSDP2", "regions": "off (profiled with regions=False)"},
+     "more processes to shard over")])
 def test_the_advice_names_the_next_step(notes: dict, advice: str) -> None:
     block = BlockCosts(name="b", input_bytes=100, output_bytes=100, saved_bytes=400, forward_time_s=1.0)
     costs = ChainCosts(fixed_bytes=1000, head_bytes=10, blocks=(block, block), notes=notes)

@@ -29,9 +29,10 @@ def _run(args: argparse.Namespace) -> int:
             return _launch(args, config)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        saving = f"checkpoint every {config.save_every}" if config.save else "no checkpoints (--no-save)"
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
             print(f"torchckpt train: {config.run_dir} | budget {config.budget} | batch {config.batch_size} x "
-                  f"{config.seq_len} tokens | {config.steps} steps, checkpoint every {config.save_every} | CPU, "
+                  f"{config.seq_len} tokens | {config.steps} steps, {saving} | CPU, "
                   f"{torch.get_num_threads()} threads", flush=True)
         train(config, say=lambda text: print(text, flush=True))
     except (ValueError, TypeError, FileNotFoundError, ImportError, CheckpointError) as error:

@@ -15,13 +15,13 @@ How the CPU meter counts (the rules every figure it reports obeys, named in ``do
    entry, counts them in ``current_bytes`` and ``peak_bytes``, and subtracts them when they are freed.
    ``MemoryMeter(include_existing=False)`` counts only what is created inside.
 4. **[only the meter's device counts]** Only storages on the meter's device are counted (CPU by
-   default). Meta, fake and sparse tensors own no countable storage and are ignored.
-
+   default). Meta, fake and sparse tensors own no countable storage and are ignored; a ``DTensor``
+   counts as its local shard.
 5. **[storage resizes are seen]** ``UntypedStorage.resize_`` does not run through the dispatcher, and
    FSDP2 frees and re-allocates its all-gathered parameters that way (``resize_(0)`` after a block's
    forward, back to full size before its backward). While a CPU meter is active, ``resize_`` is wrapped
-   so every active meter recounts the storage at once: a freed all-gather stops counting when it is
-   freed, not when the storage is next seen.
+   so every meter active on the calling thread recounts the storage at once: a freed all-gather stops
+   counting when it is freed, not when the storage is next seen.
 6. **[compiled code is measured where its ops dispatch]** The meter's mode says
    ``ignore_compile_internals``, so ``torch.compile``'d code keeps running compiled inside the meter
    (Dynamo skips frames only under modes that do not). With ``backend="aot_eager"`` every op of the
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from torchckpt._host import local_part
 from torchckpt.memory.rss import read_rss_bytes, reset_peak_rss
 
 __all__ = ["MemoryMeter", "MemoryBreakdown", "device_of", "synchronize"]
@@ -117,37 +119,46 @@ def _storage_of(tensor: torch.Tensor, device_type: str) -> torch.UntypedStorage 
     if tensor.device.type != device_type or tensor.layout != torch.strided:
         return None
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-        return None  # subclasses (fake, functional, DTensor wrappers) own no countable storage
+        local = local_part(tensor)  # a DTensor's memory is its local shard's (its own ops run on the shard
+        if local is not tensor:  # with this meter's mode set aside, so their outputs are seen only here)
+            return _storage_of(local, device_type)
+        return None  # other subclasses (fake, functional) own no countable storage
     try:
         return tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
 
 
-_ACTIVE_METERS: list[weakref.ref] = []  # CPU meters inside their ``with`` block: [storage resizes are seen]
+# CPU meters inside their ``with`` block, with the thread each runs on: [storage resizes are seen]
+_ACTIVE_METERS: list[tuple[weakref.ref, int]] = []
+_ACTIVE_LOCK = threading.Lock()
 _ORIGINAL_RESIZE = torch.UntypedStorage.resize_
 
 
 def _resize_seen(storage: torch.UntypedStorage, size: int) -> Any:
-    """``UntypedStorage.resize_``, then every active meter recounts the storage ([storage resizes are seen])."""
+    """``UntypedStorage.resize_``, then every meter active on this thread recounts the storage (a meter's
+    dispatch mode sees only its own thread's ops, and so do its resizes): [storage resizes are seen]."""
     result = _ORIGINAL_RESIZE(storage, size)
-    for ref in list(_ACTIVE_METERS):
+    thread = threading.get_ident()
+    for ref, owner in list(_ACTIVE_METERS):
         meter = ref()
-        if meter is not None:
+        if meter is not None and owner == thread:
             meter._observe_storage(storage)
     return result
 
 
 def _watch_resizes(meter: MemoryMeter) -> None:
-    if not _ACTIVE_METERS:
-        torch.UntypedStorage.resize_ = _resize_seen  # type: ignore[method-assign,assignment]
-    _ACTIVE_METERS.append(weakref.ref(meter))
+    with _ACTIVE_LOCK:
+        if not _ACTIVE_METERS:
+            torch.UntypedStorage.resize_ = _resize_seen  # type: ignore[method-assign,assignment]
+        _ACTIVE_METERS.append((weakref.ref(meter), threading.get_ident()))
 
 
 def _unwatch_resizes(meter: MemoryMeter) -> None:
-    _ACTIVE_METERS[:] = [ref for ref in _ACTIVE_METERS if ref() is not None and ref() is not meter]
-    if not _ACTIVE_METERS:
-        torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE  # type: ignore[method-assign]
+    with _ACTIVE_LOCK:
+        _ACTIVE_METERS[:] = [(ref, owner) for ref, owner in _ACTIVE_METERS if ref() is not None and ref() is not meter]
+        if not _ACTIVE_METERS:
+            torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE  # type: ignore[method-assign]
 
 
 def _drop(table: dict[int, weakref.ref], key: int, _ref: weakref.ref) -> None:

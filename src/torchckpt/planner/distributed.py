@@ -22,15 +22,19 @@ Rules (collected in ``docs/design.md``):
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from torchckpt.planner.costs import ChainCosts
 
-__all__ = ["agree_costs", "process_group_of", "sharded_blocks_note"]
+T = TypeVar("T")
+
+__all__ = ["agree_costs", "agree_flag", "collective_device", "engine_of", "process_group_of", "same_outcome",
+           "sharded_blocks_note"]
 
 
 def _distributed() -> Any:
@@ -63,8 +67,100 @@ def process_group_of(model: nn.Module) -> Any:
     for param in model.parameters():
         if isinstance(param, DTensor):
             mesh = param.device_mesh
-            return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
+            if mesh.ndim == 1:
+                return mesh.get_group()
+            if mesh.mesh.numel() == dist.get_world_size():  # HSDP over every rank: plan over all of them
+                return dist.group.WORLD
+            raise ValueError(f"the model's parameters are DTensors on a {mesh.ndim}-dimensional mesh of "
+                             f"{mesh.mesh.numel()} of the {dist.get_world_size()} ranks (tensor or pipeline "
+                             "parallel); torchckpt plans models under DDP and FSDP2 only, for now. Fix: plan the "
+                             "model under FSDP2 or DDP alone, or checkpoint by hand (torchckpt.checkpoint_modules)")
     return None
+
+
+def engine_of(model: nn.Module) -> str | None:
+    """``"FSDP2"`` (parameters are ``DTensor`` shards), ``"DDP"`` (``DistributedDataParallel``), or None.
+
+    Example:
+        >>> engine_of(nn.Linear(2, 2)) is None
+        True
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return "DDP"
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return "FSDP2" if any(isinstance(p, DTensor) for p in model.parameters()) else None
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """Where a tensor for a collective of ``group`` must live: the current CUDA device under NCCL, else CPU.
+
+    Example:
+        >>> collective_device().type  # no process group
+        'cpu'
+    """
+    dist = _distributed()
+    if dist is not None and "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree_flag(value: bool, group: Any = None) -> bool:
+    """True on every rank of ``group`` when ``value`` is True on every rank (a collective); ``value`` alone
+    without a process group.
+
+    Example:
+        >>> agree_flag(True)
+        True
+    """
+    dist = _distributed()
+    if dist is None:
+        return bool(value)
+    flag = torch.tensor([1 if value else 0], dtype=torch.int32, device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def same_outcome(action: Callable[[], T], group: Any = None) -> T:
+    """Run ``action`` on every rank; if it raised on any rank, raise on every rank (a collective).
+
+    For checks that fail after the step's collectives completed (a block that ran twice, blocks out of
+    order): without this, the rank that raised would leave the others waiting in the next collective. A
+    rank whose own ``action`` raised re-raises its error (a ``BlockOrderError`` only when every rank saw the
+    same order, so a retry stays in step); the others raise ValueError naming the ranks and their errors.
+
+    Example:
+        >>> same_outcome(lambda: 3)  # no process group
+        3
+    """
+    dist = _distributed()
+    if dist is None:
+        return action()
+    error: Exception | None = None
+    result: Any = None
+    try:
+        result = action()
+    except Exception as raised:  # noqa: BLE001 - shared with every rank below, then raised again
+        error = raised
+    said: list[Any] = [None] * dist.get_world_size(group)
+    mine = None if error is None else (type(error).__name__, str(error), list(getattr(error, "ran", []) or []))
+    dist.all_gather_object(said, mine, group=group)
+    failed = [(rank, entry) for rank, entry in enumerate(said) if entry is not None]
+    if not failed:
+        return result
+    if error is not None and not (type(error).__name__ == "BlockOrderError" and len(failed) == len(said)
+                                  and all(entry == said[0] for entry in said)):
+        if type(error).__name__ == "BlockOrderError":  # ranks differ: a retry would not stay in step
+            raise ValueError(f"{error} (ranks {[rank for rank, _ in failed]} of {len(said)} saw this)") from error
+        raise error
+    if error is not None:
+        raise error
+    named = "; ".join(f"rank {rank}: {entry[0]}: {entry[1]}" for rank, entry in failed)
+    raise ValueError(f"profiling failed on another rank, so every rank stops here: {named}")
 
 
 def sharded_blocks_note(blocks: list[nn.Module]) -> str | None:
@@ -163,7 +259,7 @@ def agree_costs(costs: ChainCosts, group: Any = None) -> ChainCosts:
         raise ValueError(f"ranks {differing} profiled a different model from rank 0 (other blocks or ops); "
                          "every rank must plan the same model with the same blocks. Fix: build the model and "
                          "pass blocks identically on every rank (only the batch may differ)")
-    numbers = torch.tensor(_numbers(costs), dtype=torch.float64, device=_collective_device(dist, group))
+    numbers = torch.tensor(_numbers(costs), dtype=torch.float64, device=collective_device(group))
     dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
     notes: list[Any] = [dict(costs.notes)]
     dist.broadcast_object_list(notes, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
@@ -172,9 +268,3 @@ def agree_costs(costs: ChainCosts, group: Any = None) -> ChainCosts:
                        "per rank)")
     return _rebuild(costs, numbers.cpu().tolist(), agreed)
 
-
-def _collective_device(dist: Any, group: Any) -> torch.device:
-    """Where a tensor for a collective of ``group`` must live: the current CUDA device under NCCL."""
-    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -40,7 +40,8 @@ How each figure of ``costs.py`` is obtained (the names of that module's rules in
    (``notes["recompute_time_scale"]``) so that the every-block schedule's predicted extra time, the sum
    of the forwards, equals the measured ``every_block_step_time_s - step_time_s`` (hooks, the meter and
    the recorder slow the marked steps down, and the first step also warms up). Profiling runs five
-   training steps at most (the fifth, a region, measures ``region_recompute_bytes``).
+   training steps at most (the fifth, a region, measures ``region_recompute_bytes``), eight under DDP
+   or FSDP2 (three warm-up steps first: [the distributed engine warms up unmeasured]).
 5. **[a region must be exact]** A region (``apply.wrap_region``) runs its blocks from its first block's
    arguments, passing each the previous one's hidden state (the output, or its first item when a tuple),
    and its other blocks return the region's output: its hidden state, and the other items of the last
@@ -75,7 +76,14 @@ from torchckpt.planner import solve as solver
 from torchckpt.planner.apply import wrap_region
 from torchckpt.planner.blocks import block_paths, resolve_blocks
 from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
-from torchckpt.planner.distributed import agree_costs, process_group_of, sharded_blocks_note
+from torchckpt.planner.distributed import (
+    agree_costs,
+    agree_flag,
+    engine_of,
+    process_group_of,
+    same_outcome,
+    sharded_blocks_note,
+)
 from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
 from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step
 from torchckpt.planner.runner import StepFn, StepRunner
@@ -106,25 +114,25 @@ def profile(
 ) -> ChainCosts:
     """Measure ``model`` on ``example_inputs`` and return its cost model.
 
-    Runs at most five training steps: under the meter, every block checkpointed (keep nothing), which
-    also warms up (with ``optimizer`` it is followed by a real optimizer step, so its state exists as it
-    will in training), and a plain step with the op recorder; then, bare (no meter, no hooks), a plain
-    step and one with every block checkpointed, timed (``step_time_s``, ``every_block_step_time_s``);
-    and, when the blocks form a chain, one with a region of blocks under the meter to calibrate
-    ``region_recompute_bytes``. Block forward times come from the hooks of the first two, scaled so that
-    checkpointing every block is predicted to cost what it measured (costs.py's [measured schedules are
-    predicted as measured]). The costs record the block paths and the model's fingerprint, so
+    Runs at most five training steps (eight under DDP or FSDP2, three of them a warm-up): under the meter,
+    every block checkpointed (keep nothing), which also warms up (with ``optimizer`` it is followed by a real
+    optimizer step, so its state exists as it will in training), and a plain step with the op recorder; then,
+    bare (no meter, no hooks), a plain step and one with every block checkpointed, timed (``step_time_s``,
+    ``every_block_step_time_s``); and, when the blocks form a chain, one with a region of blocks under the
+    meter to calibrate ``region_recompute_bytes``. Block forward times come from the hooks of the first two,
+    scaled so that checkpointing every block is predicted to cost what it measured (costs.py's [measured
+    schedules are predicted as measured]). The costs record the block paths and the model's fingerprint, so
     ``costs.plan(budget)`` plans any number of budgets from this one measurement. Afterwards the model
-    (parameters, buffers, gradients, modes), the optimizer's state and the RNG streams are exactly as
-    they were (Note: [planning changes nothing]). ``progress``, if given, is called with a short
-    description before each step (for a display). ``regions=False`` skips the region step and marks the
-    costs (``notes["regions"]``) so that no plan made from them has regions; plans have none either when
-    the profiler cannot prove a region exact (``notes["chain"]`` says why).
-    ``step_fn(model, example_inputs)``, instead of ``loss_fn``, runs the user's own forward and backward
-    (``runner.StepRunner``), so the steps measure what that loop holds (the logits, say).
-    A model under ``DistributedDataParallel`` or FSDP2 is profiled by every rank of its group at once
-    (a collective), each measuring its own step; the costs returned on every rank are the largest any
-    rank measured (``planner.distributed``), so every rank makes the same plan for a per-rank budget.
+    (parameters, buffers, gradients, modes), the optimizer's state and the RNG streams are exactly as they
+    were (Note: [planning changes nothing]). ``progress``, if given, is called with a short description before
+    each step (for a display). ``regions=False`` skips the region step and marks the costs
+    (``notes["regions"]``) so that no plan made from them has regions; plans have none either when the
+    profiler cannot prove a region exact (``notes["chain"]`` says why). ``step_fn(model, example_inputs)``,
+    instead of ``loss_fn``, runs the user's own forward and backward (``runner.StepRunner``), so the steps
+    measure what that loop holds (the logits, say). A model under ``DistributedDataParallel`` or FSDP2 is
+    profiled by every rank of its group at once (a collective), each measuring its own step; the costs
+    returned on every rank are the largest any rank measured (``planner.distributed``), so every rank makes
+    the same plan for a per-rank budget.
 
     Example:
         >>> from torchckpt.models import gpt
@@ -144,8 +152,8 @@ def profile(
         if group is not None:
             _engine_warm_up(runner, block_list)
         try:
-            costs = _measure_costs(runner, block_list, progress, regions_off)
-        except BlockOrderError as error:
+            costs = _measure_costs(runner, block_list, progress, regions_off, group)
+        except BlockOrderError as error:  # on every rank alike (planner.distributed.same_outcome)
             if not (isinstance(blocks, str) and blocks == "auto"):
                 raise
             # "auto" lists the blocks in named_modules order; a model may run them in another (diffusers'
@@ -153,8 +161,11 @@ def profile(
             # the order they ran in, which the failed step measured, and profile again.
             block_list = [block_list[k] for k in error.ran]
             runner.clear_grads()
-            costs = _measure_costs(runner, block_list, progress, regions_off)
-    return costs if group is None else agree_costs(costs, group)  # Note: [ranks agree on the costs]
+            costs = _measure_costs(runner, block_list, progress, regions_off, group)
+    if group is None:
+        return costs
+    costs = replace(costs, notes={**costs.notes, "engine": str(engine_of(model))})
+    return agree_costs(costs, group)  # Note: [ranks agree on the costs]
 
 
 def _engine_warm_up(runner: StepRunner, block_list: list[nn.Module]) -> None:
@@ -175,16 +186,23 @@ def _engine_warm_up(runner: StepRunner, block_list: list[nn.Module]) -> None:
     runner.clear_grads()
 
 
-def _measure_costs(runner: StepRunner, block_list: list[nn.Module],
-                   progress: Callable[[str], None] | None, regions_off: str | None = None) -> ChainCosts:
-    """The profile's steps; ``regions_off``, when given, says why plans from these costs have no regions."""
+def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Callable[[str], None] | None,
+                   regions_off: str | None = None, group: Any = None) -> ChainCosts:
+    """The profile's steps; ``regions_off``, when given, says why plans from these costs have no regions.
+    With a process ``group``, every decision that changes which steps run is taken by all ranks alike."""
     say = progress or (lambda message: None)
+
+    def step(record_ops: bool) -> Any:
+        def measure() -> Any:
+            return measure_step(runner, block_list, record_ops=record_ops)
+        return measure() if group is None else same_outcome(measure, group)
+
     say(f"profiling step 1: {len(block_list)} blocks, every block recomputed")
     with checkpoint_modules(block_list, policy="nothing_saveable"):
-        recomputed = measure_step(runner, block_list, record_ops=False)
+        recomputed = step(record_ops=False)
     runner.optimizer_step()
     say("profiling step 2: no checkpointing, recording every op")
-    plain = measure_step(runner, block_list, record_ops=True)
+    plain = step(record_ops=True)
     runner.clear_grads()
     say("profiling steps 3-4: timing a plain step and one with every block recomputed (no meter, no hooks)")
     plain_step_s = _timed_step(runner)
@@ -195,6 +213,9 @@ def _measure_costs(runner: StepRunner, block_list: list[nn.Module],
                       [type(b).__name__ for b in block_list])
     paths = tuple(block_paths(runner.model, block_list))
     costs = replace(costs, block_paths=paths, fingerprint=fingerprint(runner.model, runner.example_inputs, list(paths)))
+    if group is not None and not agree_flag(costs.chain, group) and costs.chain:  # the region step runs on all or none
+        costs = replace(costs, chain=False, notes={**costs.notes, "chain": "no: another rank's profile found the "
+                                                   "blocks are not a plain chain"})
     if regions_off is not None:
         costs = replace(costs, notes={**costs.notes, "regions": regions_off})
     elif costs.chain and len(block_list) > 1:

@@ -28,6 +28,8 @@ from typing import IO
 import torch
 from torch import nn
 
+from torchckpt.planner.distributed import collective_device
+
 __all__ = ["Ranks", "join_process_group", "launch", "shard_model"]
 
 
@@ -48,7 +50,7 @@ class Ranks:
         """The mean of ``value`` over the ranks (a collective: every rank calls it)."""
         import torch.distributed as dist
 
-        total = torch.tensor([value], dtype=torch.float64)
+        total = torch.tensor([value], dtype=torch.float64, device=collective_device())
         dist.all_reduce(total)
         return float(total.item()) / self.world
 
@@ -56,7 +58,7 @@ class Ranks:
         """The largest ``value`` over the ranks (a collective)."""
         import torch.distributed as dist
 
-        top = torch.tensor([value], dtype=torch.int64)
+        top = torch.tensor([value], dtype=torch.int64, device=collective_device())
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
         return int(top.item())
 

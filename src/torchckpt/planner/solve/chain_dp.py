@@ -266,9 +266,10 @@ def _infeasible(chain: Chain, budget_bytes: int, floor: int, schedule: tuple[Pie
                                        "head_bytes": costs.head_bytes, "margin_bytes": margin, "binding": binding}
     with_margin = (f" + a margin of {format_bytes(margin)} (this plan was not measured when profiling)"
                    if margin else "")
-    if "FSDP2 units" in costs.notes.get("regions", ""):  # already sharded: more processes shard further
+    engine = costs.notes.get("engine")  # set by a distributed profile: "FSDP2" or "DDP"
+    if engine == "FSDP2":  # already sharded: more processes shard further
         sharding = "or more processes to shard over (each holds 1/N of parameters, gradients and optimizer state)"
-    elif "ranks" in costs.notes:  # DDP: every process holds a full replica
+    elif engine == "DDP":  # every process holds a full replica
         sharding = "or FSDP2 (fully_shard) instead of DDP, to shard parameters, gradients and optimizer state"
     else:
         sharding = "or sharding parameters, gradients and optimizer state (FSDP/ZeRO)"
