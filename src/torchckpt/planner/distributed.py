@@ -16,7 +16,10 @@ Rules (collected in ``docs/design.md``):
    model (same blocks, same ops) and then take, figure by figure, the largest any rank measured
    (bytes and seconds; a block holds its input when plain if it does on any rank; regions only if
    every rank allows them). The solver is deterministic, so every rank then makes the same plan from
-   the same costs and the collectives of the checkpointed step never diverge.
+   the same costs and the collectives of the checkpointed step never diverge. Decisions that change
+   which profiling steps run are agreed first, so no rank waits in a collective the others skip: the
+   region step runs only if every rank found a chain (``agree_flag``), and a check that fails after a
+   step on one rank fails on every rank, naming it (``same_outcome``).
 """
 
 from __future__ import annotations
