@@ -5,6 +5,7 @@ turns a regression into a failure, not a hang."""
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import socket
@@ -34,24 +35,30 @@ class _Branchy(nn.Module):
 
 def _worker(rank: int, port: int, out: str, twice: bool) -> None:
     import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    result = _profile_on_rank(rank, twice)
+    gc.collect()  # the DDP model (and a traceback holding it) goes before its group: see bench.distributed
+    with open(os.path.join(out, f"{rank}.json"), "w") as handle:
+        json.dump(result, handle)
+    dist.destroy_process_group()
+
+
+def _profile_on_rank(rank: int, twice: bool) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from torchckpt.planner import profile
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
     torch.manual_seed(0)
     model = _Branchy(twice)
     batch = torch.randn(4, 32).abs() * (1 if rank == 0 else -1)  # rank 0 takes the branch, rank 1 does not
     try:
         costs = profile(DistributedDataParallel(model), (batch,), loss_fn=lambda out: out.sum(),
                         blocks=list(model.blocks))
-        result = {"chain": costs.chain, "note": costs.notes.get("chain", "")}
+        return {"chain": costs.chain, "note": costs.notes.get("chain", "")}
     except Exception as error:  # noqa: BLE001 - the test reads it
-        result = {"error": f"{type(error).__name__}: {error}"}
-    with open(os.path.join(out, f"{rank}.json"), "w") as handle:
-        json.dump(result, handle)
-    dist.destroy_process_group()
+        return {"error": f"{type(error).__name__}: {error}"}
 
 
 def _run(tmp_path, twice: bool) -> list[dict]:
