@@ -49,7 +49,9 @@ def test_fsdp2_two_ranks_four_budgets_from_the_floor() -> None:
 
 @pytest.mark.parametrize("kind", ["ddp", "ddp-static"])
 def test_ddp_two_budgets(kind: str) -> None:
-    _check(prove(kind, "gpt-mini", 2, 2), 2)
+    records = _check(prove(kind, "gpt-mini", 2, 2), 2)
+    # the plan stays applied for 3 steps in a row: no "Expected to mark a variable ready only once"
+    assert all(item["ddp_steps_with_plan"] == 3 for record in records for item in record["plans"])
 
 
 def test_fsdp2_four_ranks() -> None:

@@ -35,6 +35,7 @@ __all__ = ["KINDS", "prove"]
 KINDS = ("ddp", "ddp-static", "fsdp")
 _TIMEOUT = datetime.timedelta(seconds=180)
 _STRAGGLER_S = 20.0
+_DDP_STEPS = 3
 
 
 def _free_port() -> int:
@@ -147,6 +148,12 @@ def _prove_on_rank(record: dict[str, Any], rank: int, kind: str, model_name: str
                 _step(runner)
             runner.clear_grads()
             item.update(all_gathers_plain=gathers_plain.count, all_gathers_planned=gathers_planned.count)
+        else:  # DDP (static_graph checks its graph from the second iteration on): steps in a row, plan applied
+            with apply_plan(wrapped, made):
+                for _ in range(_DDP_STEPS):
+                    _step(runner)
+            runner.clear_grads()
+            item["ddp_steps_with_plan"] = _DDP_STEPS
         record["plans"].append(item)
 
 
