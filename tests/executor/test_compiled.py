@@ -132,7 +132,9 @@ def test_a_compiled_model_is_planned_applied_and_recompiled(tmp_path: Path) -> N
     plan = torchckpt.plan(compiled, batch, budget="60%")
     assert plan.block_paths[0] == "blocks.0" and is_compiled_module(compiled) and uncompiled(compiled) is model
     handle = torchckpt.apply(compiled, plan)
-    assert "forward" in vars(model.blocks[0])  # the wrap is on the original, inside the compiled code
+    # the wraps are on the original's blocks, inside the compiled code (which blocks: the plan's choice, and
+    # that follows the measured block times, so it is not always block 0)
+    assert handle.modules and all(any(m is b for b in model.blocks) and "forward" in vars(m) for m in handle.modules)
     peak, grads = _measured(model, lambda: compiled(*batch))
     handle.remove()
     after, _ = _measured(model, lambda: compiled(*batch))
