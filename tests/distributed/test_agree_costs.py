@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-
-import torch.multiprocessing as mp
 
 from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
 from torchckpt.planner.distributed import agree_costs
@@ -46,16 +43,9 @@ def _worker(rank: int, port: int, out: str, differ: bool) -> None:
     dist.destroy_process_group()
 
 
-def _run(tmp_path, differ: bool) -> list[dict]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.start_processes(_worker, args=(port, str(tmp_path), differ), nprocs=2, join=True, start_method="spawn")
-    return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
 
-
-def test_every_figure_is_the_largest_any_rank_measured(tmp_path) -> None:
-    results = _run(tmp_path, differ=False)
+def test_every_figure_is_the_largest_any_rank_measured(two_ranks) -> None:
+    results = two_ranks(_worker, False)
     assert results[0] == results[1]
     agreed = results[0]
     assert (agreed["fixed"], agreed["head"], agreed["step"]) == (1001, 50, 3.0)
@@ -66,8 +56,8 @@ def test_every_figure_is_the_largest_any_rank_measured(tmp_path) -> None:
     assert agreed["blocks"] == [[110, 100, 330, 2.0, False, 44, 1.5], [110, 120, 330, 2.0, True, 44, 1.5]]
 
 
-def test_ranks_that_measured_another_model_are_named(tmp_path) -> None:
-    results = _run(tmp_path, differ=True)
+def test_ranks_that_measured_another_model_are_named(two_ranks) -> None:
+    results = two_ranks(_worker, True)
     for result in results:
         assert "ranks [1] profiled a different model from rank 0" in result["error"]
         assert "Fix:" in result["error"]

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from torchckpt.bench.distributed import free_port
 from torchckpt.train import read_losses
 
 PAGE = Path(__file__).parents[2] / "docs" / "distributed.md"
@@ -68,9 +68,7 @@ def test_training_commands_run_as_written(tmp_path: Path) -> None:
     assert summaries["torchrun"]["peak_bytes"] < summaries["two"]["peak_bytes"]  # 75% frees memory
     assert not (tmp_path / "runs" / "two" / "checkpoints").exists()
 
-    with socket.socket() as sock:  # the documented port may be taken on a shared machine: use a free one
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     lines = [line.replace("localhost:29533", f"localhost:{port}") for line in two_machines.splitlines()]
     assert len(lines) == 2 and all("--nnodes 2" in line for line in lines)
     nodes = [subprocess.Popen(_command(line), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),

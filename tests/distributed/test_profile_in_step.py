@@ -8,11 +8,9 @@ import datetime
 import gc
 import json
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 
@@ -61,23 +59,16 @@ def _profile_on_rank(rank: int, twice: bool) -> dict:
         return {"error": f"{type(error).__name__}: {error}"}
 
 
-def _run(tmp_path, twice: bool) -> list[dict]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.start_processes(_worker, args=(port, str(tmp_path), twice), nprocs=2, join=True, start_method="spawn")
-    return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
 
-
-def test_a_chain_on_one_rank_only_is_no_chain_on_every_rank(tmp_path) -> None:
-    results = _run(tmp_path, twice=False)
+def test_a_chain_on_one_rank_only_is_no_chain_on_every_rank(two_ranks) -> None:
+    results = two_ranks(_worker, False)
     assert [r.get("chain") for r in results] == [False, False], results
     assert all("read by code outside the blocks" in r["note"] for r in results)  # rank 0's reason, on both
 
 
 @pytest.mark.parametrize("twice", [True], ids=["block-runs-twice-on-rank-0"])
-def test_an_error_on_one_rank_stops_every_rank_with_its_message(tmp_path, twice: bool) -> None:
-    results = _run(tmp_path, twice=twice)
+def test_an_error_on_one_rank_stops_every_rank_with_its_message(two_ranks, twice: bool) -> None:
+    results = two_ranks(_worker, twice)
     assert "ran 2 times" in results[0]["error"]
     assert results[1]["error"].startswith("ValueError: profiling failed on another rank, so every rank stops here: "
                                           "rank 0: ValueError: block 1")

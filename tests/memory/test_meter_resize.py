@@ -3,13 +3,13 @@ parameters) changes the meter's figures at once, and the wrapper is gone when no
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import torch
 import torch.distributed as dist
 
 from torchckpt import MemoryMeter
+from torchckpt.bench.distributed import free_port
 
 
 def test_a_freed_and_refilled_storage_counts_when_it_changes() -> None:
@@ -58,9 +58,7 @@ def test_a_dtensor_counts_as_its_local_shard() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, 1, is_master=True), rank=0,
                             world_size=1)
     try:

@@ -3,8 +3,6 @@ anything is written: saving one rank's shard as the whole tensor would be a wron
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,14 +10,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchckpt import Checkpointer
+from torchckpt.bench.distributed import free_port
 from torchckpt.state import UnsupportedStateError
 
 
 @pytest.fixture
 def one_rank_group():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["KINDS", "prove"]
+__all__ = ["KINDS", "free_port", "prove"]
 
 KINDS = ("ddp", "ddp-static", "fsdp")
 _TIMEOUT = datetime.timedelta(seconds=180)
@@ -38,7 +38,13 @@ _STRAGGLER_S = 20.0
 _DDP_STEPS = 3
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's rendezvous).
+
+    Example:
+        >>> 0 < free_port() < 65536
+        True
+    """
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -217,7 +223,7 @@ def prove(kind: str, model_name: str, world: int, budgets: Sequence[str | int] |
 
     with tempfile.TemporaryDirectory() as out_dir:
         chosen = budgets if isinstance(budgets, int) else tuple(budgets)
-        context = mp.start_processes(_rank_main, args=(world, _free_port(), kind, model_name, chosen, out_dir),
+        context = mp.start_processes(_rank_main, args=(world, free_port(), kind, model_name, chosen, out_dir),
                                      nprocs=world, join=False, start_method="spawn")
         _wait(context, out_dir, world, timeout_s, f"{kind} on {model_name} with {world} ranks")
         records = [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(world)]
