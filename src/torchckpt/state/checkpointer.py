@@ -50,19 +50,31 @@ from torchckpt.state.capture import (
     capture_rng,
     check_item_name,
 )
-from torchckpt.state.catalog import CheckpointInfo, check_verify_mode, inspect_step
+from torchckpt.state.catalog import CheckpointInfo, check_verify_mode, inspect_step, read_manifest
 from torchckpt.state.config import CheckpointerConfig, check_metric_name, check_step
 from torchckpt.state.errors import (
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointExistsError,
+    CheckpointMismatchError,
+    warn_fallback,
 )
 from torchckpt.state.format import Manifest, encode_manifest, metric_value, step_dir_name
 from torchckpt.state.hashed_write import write_hashed
 from torchckpt.state.lifecycle import releaser, track
 from torchckpt.state.preempt_points import on_request_for
 from torchckpt.state.preemption import PreemptionHandler, parse_signals
-from torchckpt.state.reader import apply_snapshot, read_newest_valid
+from torchckpt.state.reader import apply_snapshot, candidate_steps, read_newest_valid
 from torchckpt.state.retention import steps_to_keep
+from torchckpt.state.sharded import (
+    RankGroup,
+    ShardedSnapshot,
+    apply_restore,
+    open_sharded,
+    prepare_restore,
+    snapshot_sharded,
+    write_sharded,
+)
 from torchckpt.state.snapshot import FileChunks, encode_snapshot
 from torchckpt.state.staging import HostStaging, changed_only_by_optimizer_steps
 from torchckpt.state.storage import Storage, open_storage
@@ -88,6 +100,13 @@ class Checkpointer:
         if config is not None and options:
             raise TypeError(f"pass either config= or keyword options, not both (got {sorted(options)})")
         self.config = config if config is not None else CheckpointerConfig(**options)
+        # sharded.py: with a process group every rank takes part in each save and restore; rank 0 leads
+        self._ranks = RankGroup.current(self.config.rank_timeout_s) if self.config.sharded is not False else None
+        self._sharded = self._ranks is not None if self.config.sharded is None else self.config.sharded
+        if self._sharded and self.config.async_staging:
+            raise ValueError("async_staging=True is not supported for sharded checkpoints (a process group is "
+                             "initialised, or sharded=True); async_save=True alone copies this rank's shard "
+                             "before save() returns.")
         self._storage: Storage = open_storage(directory)
         self._executor: ThreadPoolExecutor | None = None
         self._staging = HostStaging()  # used by async saves only ([async saves copy before returning])
@@ -106,9 +125,12 @@ class Checkpointer:
             self._last_save_monotonic_s = time.monotonic()
             self._finalizer = track(self, releaser(self._storage, None))
             return
-        self._storage.acquire_lock()  # [one writer per directory]
+        leader = self._ranks is None or self._ranks.rank == 0
+        if leader:
+            self._storage.acquire_lock()  # [one writer per directory]; in a sharded run rank 0 holds it for all
         try:
-            self._storage.clean_leftovers()
+            if leader:
+                self._storage.clean_leftovers()
             signals = parse_signals(self.config.preemption_signals)
             self._preemption = (PreemptionHandler(signals, on_request_for(self))
                                 if self.config.save_on_preemption else None)
@@ -167,6 +189,17 @@ class Checkpointer:
         checked_metrics = {
             check_metric_name(name): metric_value(name, value) for name, value in (metrics or {}).items()
         }
+        if self._sharded:
+            rank, world = (self._ranks.rank, self._ranks.world_size) if self._ranks is not None else (0, 1)
+            staging = self._staging if self.config.async_save else None  # [async saves copy before returning]
+            snap = snapshot_sharded(step, items, checked_metrics, rng, rank, world, staging)
+            if self.config.async_save:
+                self._inflight = self._pool().submit(self._write_sharded, snap)
+            else:
+                self._write_sharded(snap)
+            self._last_step = step
+            self._last_save_monotonic_s = time.monotonic()
+            return
         files = self._snapshot(step, items, checked_metrics, rng)  # [async saves copy before returning]
         if self.config.async_staging and self._staging.deferred_count:
             self._staged = threading.Event()
@@ -298,12 +331,18 @@ class Checkpointer:
             raise
         self._apply_retention()
 
+    def _write_sharded(self, snap: ShardedSnapshot) -> None:
+        write_sharded(self._storage, self._ranks, snap, self.config.hash_algorithm,
+                      before_commit=lambda: abandon_newer_steps(self._storage, snap.step),
+                      after_commit=self._apply_retention)
+
     def _valid_committed(self, step: int) -> CheckpointInfo | None:
         """``step``'s info if it is a committed step that passes full verification, else None (absent,
         corrupt, or a stray file named like a step: such a step may be replaced)."""
         if step not in self._storage.step_entries():
             return None
-        info = inspect_step(self._storage, step, "full")
+        # A sharded save asks every rank, so each gives the same answer without reading the shards twice.
+        info = inspect_step(self._storage, step, "fast" if self._sharded else "full")
         return info if info.valid else None
 
     def _check_step_free(self, step: int) -> None:
@@ -380,13 +419,81 @@ class Checkpointer:
         for name in items:
             check_item_name(name)
         fallback = self.config.fallback if fallback is None else fallback
+        rng_mode = rng if rng is not None else (None if self.config.capture_rng else False)
+        if self._sharded or self._newest_is_sharded(step):
+            restored = self._restore_sharded(step, fallback, items, rng_mode)
+            if restored is not None:
+                self._last_step = restored
+            return restored
         snapshot = read_newest_valid(self._storage, step=step, verify=verify, fallback=fallback, wanted=set(items))
         if snapshot is None:
             return None
-        rng_mode = rng if rng is not None else (None if self.config.capture_rng else False)
         apply_snapshot(snapshot, items, rng_mode, self._storage.path_of(step_dir_name(snapshot.step), "state.json"))
         self._last_step = snapshot.step
         return snapshot.step
+
+    def _newest_is_sharded(self, step: int | None) -> bool:
+        for candidate in candidate_steps(self._storage, step):
+            try:
+                return read_manifest(self._storage, candidate).world_size is not None
+            except CheckpointError:
+                continue
+        return False
+
+    def _restore_sharded(self, step: int | None, fallback: bool, items: dict[str, Any],
+                         rng: bool | None) -> int | None:
+        """sharded.py's restore: the newest step that every rank reads and verifies; all ranks agree on it."""
+        ranks = self._ranks
+        skipped: list[str] = []
+        for candidate in candidate_steps(self._storage, step):
+            code, problem, prepared = 0, None, None
+            try:
+                info = inspect_step(self._storage, candidate, "fast")
+                if not info.valid:
+                    raise CheckpointCorruptError(info.problem or "invalid", info.problems)
+                manifest = read_manifest(self._storage, candidate)
+                if manifest.world_size is None:
+                    if ranks is not None:
+                        raise CheckpointMismatchError(
+                            f"{info.path} was saved by one process in the unsharded format; a run with a process "
+                            "group restores sharded steps only. Fix: restore it in one process with a "
+                            "Checkpointer(..., sharded=True) and save it again (a sharded step any world size "
+                            "reads), or restore with torchckpt.state.load on each rank.")
+                    prepared = None
+                else:
+                    prepared = prepare_restore(open_sharded(self._storage, manifest), ranks, items, rng)
+            except CheckpointCorruptError as error:
+                code, problem = 1, error
+            except BaseException as error:
+                code, problem = 2, error
+            if ranks is not None:
+                agreed = ranks.agree(code, f"agree on restoring step {candidate}")
+                if agreed == 2 and code != 2:
+                    raise CheckpointError(f"step {candidate}: another rank failed to restore it (its error is "
+                                          "in its log); nothing was restored on this rank.")
+                code = max(code, agreed)
+            if code == 2:
+                raise problem  # type: ignore[misc]
+            if code == 1:
+                skipped.append(f"step {candidate}: {problem or 'corrupt on another rank'}")
+                if fallback and step is None:
+                    continue
+                raise CheckpointCorruptError(f"step {candidate} is corrupt, nothing was restored: {skipped[-1]}")
+            if prepared is None:  # an unsharded step, in one process with sharded=True
+                snapshot = read_newest_valid(self._storage, step=candidate, verify=self.config.verify,
+                                             fallback=False, wanted=set(items))
+                assert snapshot is not None
+                apply_snapshot(snapshot, items, rng,
+                               self._storage.path_of(step_dir_name(candidate), "state.json"))
+            else:
+                apply_restore(prepared, items)
+            if skipped:
+                warn_fallback(f"restored step {candidate}; skipped corrupt newer step(s): " + " | ".join(skipped))
+            return candidate
+        if skipped:
+            raise CheckpointCorruptError(f"{self.directory}: no valid checkpoint among {len(skipped)} step(s): "
+                                         + " | ".join(skipped))
+        return None
 
     # ----- inspecting and closing ---------------------------------------------------------
 

@@ -54,12 +54,12 @@ _SAFETENSORS_MAX_HEADER_BYTES = 100 << 20
 _VIEW_MIN_BYTES = 1 << 20
 
 
-def split_tensors(tree: Any, item: str) -> tuple[Any, dict[str, torch.Tensor]]:
+def split_tensors(tree: Any, item: str, *, sharded: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
     """Separate tensors from a nested state into (JSON-able tree, flat tensor dict).
 
     Tensors are detached and made contiguous but stay on their device (views of
     CPU tensors; the snapshot moves them to host memory). Tied tensors are
-    stored once per key.
+    stored once per key. A DTensor is refused unless ``sharded`` (sharded.py hands it to DCP as it is).
 
     Example:
         >>> tree, tensors = split_tensors({"w": torch.ones(2), "lr": 0.1, 3: (1, 2)}, "opt")
@@ -67,7 +67,7 @@ def split_tensors(tree: Any, item: str) -> tuple[Any, dict[str, torch.Tensor]]:
         (['w'], 'dict')
     """
     tensors: dict[str, torch.Tensor] = {}
-    encoded = _encode(tree, (), item, tensors)
+    encoded = _encode(tree, (), item, tensors, sharded)
     return encoded, tensors
 
 
@@ -95,18 +95,19 @@ def _encode(
     path: tuple[str, ...],
     item: str,
     tensors: dict[str, torch.Tensor],
+    sharded: bool = False,
 ) -> Any:
     if type(value) in _SCALARS:
         return value
     if isinstance(value, torch.Tensor):
-        return _encode_tensor(value, path, item, tensors)
+        return _encode_tensor(value, path, item, tensors, sharded)
     if type(value) in (dict, OrderedDict):  # state_dict() returns an OrderedDict
-        return _encode_dict(value, path, item, tensors)
+        return _encode_dict(value, path, item, tensors, sharded)
     if type(value) is list:
-        return [_encode(v, path + (str(i),), item, tensors) for i, v in enumerate(value)]
+        return [_encode(v, path + (str(i),), item, tensors, sharded) for i, v in enumerate(value)]
     if type(value) in (tuple, torch.Size):
         kind = "tuple" if type(value) is tuple else "size"
-        items = [_encode(v, path + (str(i),), item, tensors) for i, v in enumerate(value)]
+        items = [_encode(v, path + (str(i),), item, tensors, sharded) for i, v in enumerate(value)]
         return {_TAG: kind, "items": items}
     if isinstance(value, (np.ndarray, np.generic)):
         return _encode_numpy(value, path, item)
@@ -120,28 +121,43 @@ def _encode(
     )
 
 
-def _encode_dict(value: dict, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor]) -> Any:
+def _encode_dict(value: dict, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor],
+                 sharded: bool) -> Any:
     plain = all(type(k) is str for k in value) and _TAG not in value
     if plain:
-        return {k: _encode(v, path + (k,), item, tensors) for k, v in value.items()}
+        return {k: _encode(v, path + (k,), item, tensors, sharded) for k, v in value.items()}
     pairs = [
-        [_encode(k, path, item, tensors), _encode(v, path + (str(k),), item, tensors)]
+        [_encode(k, path, item, tensors, sharded), _encode(v, path + (str(k),), item, tensors, sharded)]
         for k, v in value.items()
     ]
     return {_TAG: "dict", "items": pairs}
 
 
 def _encode_tensor(
-    value: torch.Tensor, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor]
+    value: torch.Tensor, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor], sharded: bool
 ) -> dict[str, str]:
-    if local_part(value) is not value:
+    local = local_part(value)
+    if local is not value and not sharded:
         raise UnsupportedStateError(
             f"item {item!r}: tensor at {_path_text(path)} is a DTensor (sharded across processes, e.g. by FSDP2's "
-            "fully_shard); torchckpt does not save sharded training state yet, and saving this rank's shard as "
-            "if it were the whole tensor would be wrong. Fix: save sharded state with "
-            "torch.distributed.checkpoint (dcp.save), or gather a full state dict "
-            "(torch.distributed.checkpoint.state_dict.get_state_dict with full_state_dict=True) and save that."
+            "fully_shard), and this Checkpointer writes whole tensors (sharded=False); saving this rank's shard "
+            "as if it were the whole tensor would be wrong. Fix: build the Checkpointer after "
+            "torch.distributed.init_process_group on every rank (it then writes sharded checkpoints), or leave "
+            "sharded at its default."
         )
+    if local is not value:  # a DTensor: DCP reads its local shard (checked below) and its placement
+        _check_storable(local, path, item)
+        key = _unique_key(_path_text(path), tensors)
+        tensors[key] = value.detach()
+        return {_TAG: "tensor", "key": key}
+    _check_storable(value, path, item)
+    host = value.detach().resolve_conj().resolve_neg().contiguous()
+    key = _unique_key(_path_text(path), tensors)
+    tensors[key] = host
+    return {_TAG: "tensor", "key": key}
+
+
+def _check_storable(value: torch.Tensor, path: tuple[str, ...], item: str) -> None:
     if value.layout != torch.strided or value.is_quantized or value.device.type == "meta":
         raise UnsupportedStateError(
             f"item {item!r}: tensor at {_path_text(path)} has layout {value.layout}, device "
@@ -153,10 +169,6 @@ def _encode_tensor(
             f"cannot store (supported: {sorted(str(d) for d in SAFETENSORS_DTYPES)}). Fix: convert it "
             "(complex: torch.view_as_real) in state_dict()."
         )
-    host = value.detach().resolve_conj().resolve_neg().contiguous()
-    key = _unique_key(_path_text(path), tensors)
-    tensors[key] = host
-    return {_TAG: "tensor", "key": key}
 
 
 def _unique_key(base: str, taken: Mapping[str, Any]) -> str:

@@ -38,6 +38,8 @@ class CheckpointerConfig:
     hash_algorithm: str = DEFAULT_HASH_ALGORITHM
     save_on_preemption: bool = False
     preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGINT")
+    sharded: bool | None = None  # None: sharded when a process group is initialised (sharded.py)
+    rank_timeout_s: float = 300.0  # how long a sharded save or restore waits for the other ranks
 
     def __post_init__(self) -> None:
         _ = self.retention  # validates keep_* options
@@ -55,6 +57,12 @@ class CheckpointerConfig:
             raise ValueError(f"hash_algorithm={self.hash_algorithm!r}: expected one of {sorted(HASH_ALGORITHMS)}")
         new_hasher(self.hash_algorithm)  # fails early if the hash library is missing
         parse_signals(self.preemption_signals)
+        if self.sharded not in (None, True, False):
+            raise ValueError(f"sharded={self.sharded!r}: expected None (sharded when a process group is "
+                             "initialised), True or False")
+        if isinstance(self.rank_timeout_s, bool) or not (
+                isinstance(self.rank_timeout_s, (int, float)) and 0 < self.rank_timeout_s <= 86400):
+            raise ValueError(f"rank_timeout_s={self.rank_timeout_s!r}: expected a number of seconds in (0, 86400]")
 
     @property
     def retention(self) -> RetentionPolicy:

@@ -51,6 +51,7 @@ from torchckpt.state.errors import CheckpointCorruptError
 
 FORMAT_NAME = "torchckpt.state"
 FORMAT_VERSION = 1
+SHARDED_FORMAT_VERSION = 2  # a sharded step (sharded.py): older readers refuse it by version, naming an upgrade
 MANIFEST_NAME = "manifest.json"
 STATE_NAME = "state.json"
 LOCK_NAME = ".lock"
@@ -193,6 +194,7 @@ class Manifest:
     hash_algorithm: str
     files: Mapping[str, FileEntry]
     metrics: Mapping[str, float] = field(default_factory=dict)
+    world_size: int | None = None  # set for a sharded step: the number of ranks that wrote it
 
     @property
     def size_bytes(self) -> int:
@@ -214,9 +216,9 @@ def encode_manifest(manifest: Manifest) -> bytes:
 
 
 def _manifest_body(manifest: Manifest) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if manifest.world_size is None else SHARDED_FORMAT_VERSION,
         "step": manifest.step,
         "created_unix_s": manifest.created_unix_s,
         "hash_algorithm": manifest.hash_algorithm,
@@ -226,6 +228,9 @@ def _manifest_body(manifest: Manifest) -> dict[str, Any]:
         },
         "metrics": dict(manifest.metrics),
     }
+    if manifest.world_size is not None:
+        body["world_size"] = manifest.world_size
+    return body
 
 
 def parse_manifest(data: bytes, path: str) -> Manifest:
@@ -248,12 +253,15 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
     if claimed != actual:
         _corrupt(path, f"manifest_hash is {claimed!r} but its content hashes to {actual!r}")
     version = body.get("format_version")
-    if body.get("format") != FORMAT_NAME or not (_is_int(version) and version == FORMAT_VERSION):
+    if body.get("format") != FORMAT_NAME or not (_is_int(version) and version in (FORMAT_VERSION,
+                                                                                  SHARDED_FORMAT_VERSION)):
         _corrupt(
             path,
             f"format {body.get('format')!r} version {body.get('format_version')!r}; "
-            f"expected {FORMAT_NAME!r} version {FORMAT_VERSION} (upgrade torchckpt?)",
+            f"expected {FORMAT_NAME!r} version {FORMAT_VERSION} or {SHARDED_FORMAT_VERSION} (upgrade torchckpt?)",
         )
+    if (version == SHARDED_FORMAT_VERSION) != ("world_size" in body):
+        _corrupt(path, f"format version {version} {'needs' if version == 2 else 'has no'} field 'world_size'")
     return _manifest_from_body(body, path)
 
 
@@ -319,8 +327,12 @@ def _manifest_from_body(body: dict[str, Any], path: str) -> Manifest:
         if number is None or math.isnan(number):  # saves refuse NaN (keep_best cannot rank it); +-inf is kept
             _malformed(path, f"metrics[{name!r}]", value, "a number (not NaN)")
         checked_metrics[name] = number
+    world_size = body.get("world_size")
+    if world_size is not None and not (_is_int(world_size) and 1 <= world_size < 1 << 24):
+        _malformed(path, "world_size", world_size, "a positive int")
     return Manifest(
         step=step,
+        world_size=world_size,
         created_unix_s=seconds,
         hash_algorithm=_field(path, "hash_algorithm", body["hash_algorithm"], str, "a str"),
         files=entries,

@@ -116,7 +116,14 @@ def _bytes_of(text: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(text, validate=True), dtype=np.uint8).copy()
 
 
-def _candidates(storage: Storage, step: int | None) -> list[int]:
+def candidate_steps(storage: Storage, step: int | None) -> list[int]:
+    """The steps a restore tries, newest first: every step, or just ``step`` (an error if it is absent).
+
+    Example:
+        >>> from torchckpt.state.storage import open_storage
+        >>> candidate_steps(open_storage("/nonexistent"), None)
+        []
+    """
     steps = sorted(step_numbers(storage), reverse=True)
     if step is None:
         return steps
@@ -149,7 +156,7 @@ def read_newest_valid(
     tried: set[int] = set()
     for _ in range(_RESCANS):  # a step that vanished may have been replaced by a newer one: look again
         gone = False
-        for candidate in _candidates(storage, step):
+        for candidate in candidate_steps(storage, step):
             if candidate in tried:
                 continue
             tried.add(candidate)

@@ -57,7 +57,12 @@ Buffer = bytes | memoryview
 
 
 class StepWriter(Protocol):
-    """Writes the files of one step, then commits them (or aborts)."""
+    """Writes the files of one step, then commits them (or aborts).
+
+    ``entry`` names where the files go (a temp directory, or the step directory on fsspec), so that other
+    ranks of a sharded save can join it (:meth:`Storage.join_step`)."""
+
+    entry: str
 
     def write(self, name: str, chunks: Iterable[Buffer], total_bytes: int) -> int: ...
     def commit(self, manifest: bytes) -> None: ...
@@ -77,6 +82,8 @@ class Storage(Protocol):
     ) -> int: ...
     def file_size(self, entry: str, name: str) -> int | None: ...
     def begin_step(self, step: int) -> StepWriter: ...
+    def join_step(self, step: int, entry: str) -> StepWriter: ...
+    def read_range(self, entry: str, name: str, offset: int, length: int) -> bytes: ...
     def remove_step(self, step: int) -> None: ...
     def abandon_step(self, step: int) -> str: ...
     def clean_leftovers(self) -> list[str]: ...
@@ -246,6 +253,36 @@ class LocalStorage:
         temp = f"{TMP_PREFIX}{step_dir_name(step)}-{uuid.uuid4().hex[:12]}"
         return _LocalStepWriter(self, step, temp)
 
+    def join_step(self, step: int, entry: str) -> _LocalStepWriter:
+        """Write files into the temp directory another rank began (a sharded save); it must be visible here."""
+        if not (entry.startswith(f"{TMP_PREFIX}{step_dir_name(step)}-") and "/" not in entry):
+            raise CheckpointError(f"{entry!r} is not a temp directory of step {step}")
+        if not os.path.isdir(self.path_of(entry)):
+            raise CheckpointError(
+                f"{self.path_of(entry)}: rank 0 created this directory for step {step} but this process cannot "
+                "see it: the checkpoint directory must be one filesystem shared by every rank (a network "
+                "filesystem, or an fsspec URL). Fix: pass a shared path to every rank's Checkpointer.")
+        return _LocalStepWriter(self, step, entry, create=False)
+
+    def read_range(self, entry: str, name: str, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes of one file from ``offset`` (fewer at its end; FileNotFoundError if missing).
+
+        Only a regular file inside the step is read (local_files.py's [only regular files are read])."""
+        from torchckpt.state.local_files import open_in_step  # it imports this module
+
+        fd = open_in_step(self.path_of(entry), name)
+        try:
+            parts = []
+            while length > 0:
+                part = os.pread(fd, min(length, 1 << 30), offset)
+                if not part:
+                    break
+                parts.append(part)
+                offset, length = offset + len(part), length - len(part)
+            return b"".join(parts) if len(parts) != 1 else parts[0]
+        finally:
+            os.close(fd)
+
     def remove_step(self, step: int) -> None:
         """Delete a committed step: rename to ``.trash-*``, then delete ([delete by renaming to trash])."""
         entry = step_dir_name(step)
@@ -298,11 +335,14 @@ class LocalStorage:
 class _LocalStepWriter:
     """Writes one step into its temp directory and commits it by rename ([local commit is a rename])."""
 
-    def __init__(self, storage: LocalStorage, step: int, temp_entry: str) -> None:
+    def __init__(self, storage: LocalStorage, step: int, temp_entry: str, create: bool = True) -> None:
         self._storage = storage
         self._step = step
+        self.entry = temp_entry
         self._temp = storage.path_of(temp_entry)
-        self._wrap(lambda: os.mkdir(self._temp), self._temp, 0)
+        self._owner = create  # a rank that joined a sharded save leaves removal to the rank that began it
+        if create:
+            self._wrap(lambda: os.mkdir(self._temp), self._temp, 0)
 
     def write(self, name: str, chunks: Iterable[Buffer], total_bytes: int) -> int:
         """Write ``chunks`` in order as one file and fsync it; returns the bytes written.
@@ -341,7 +381,8 @@ class _LocalStepWriter:
 
     def abort(self) -> None:
         """Discard the temp directory (best effort; start-up cleans what is left)."""
-        shutil.rmtree(self._temp, ignore_errors=True)
+        if self._owner:
+            shutil.rmtree(self._temp, ignore_errors=True)
 
     def _wrap(self, action: Callable[[], None], path: str, total: int, progress: list[int] | None = None) -> None:
         try:

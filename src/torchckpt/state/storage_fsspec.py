@@ -10,7 +10,7 @@ import json
 import uuid
 from collections.abc import Callable, Iterable
 
-from torchckpt.state.errors import CheckpointLockedError, CheckpointWriteError
+from torchckpt.state.errors import CheckpointError, CheckpointLockedError, CheckpointWriteError
 from torchckpt.state.format import LOCK_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
 from torchckpt.state.storage import ABANDONED_DIR, Buffer, describe_holder, holder_record, read_pieces, write_error
 
@@ -79,6 +79,18 @@ class FsspecStorage:
         self._fs.makedirs(self._inner(entry), exist_ok=True)
         return _FsspecStepWriter(self, entry)
 
+    def join_step(self, step: int, entry: str) -> _FsspecStepWriter:
+        """Write files into the step another rank began (a sharded save); only that rank commits or aborts."""
+        if entry != step_dir_name(step):
+            raise CheckpointError(f"{entry!r} is not the directory of step {step}")
+        return _FsspecStepWriter(self, entry, owner=False)
+
+    def read_range(self, entry: str, name: str, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes of one file from ``offset`` (one ranged request)."""
+        path = self._inner(entry, name)
+        size = int(self._fs.size(path))
+        return bytes(self._fs.cat_file(path, start=min(offset, size), end=min(offset + length, size)))
+
     def _remove_entry(self, entry: str) -> None:
         manifest = self._inner(entry, MANIFEST_NAME)
         if self._fs.exists(manifest):
@@ -135,9 +147,11 @@ class FsspecStorage:
 class _FsspecStepWriter:
     """Writes one step's files in place; the manifest, written last, commits it."""
 
-    def __init__(self, storage: FsspecStorage, entry: str) -> None:
+    def __init__(self, storage: FsspecStorage, entry: str, owner: bool = True) -> None:
         self._storage = storage
         self._entry = entry
+        self.entry = entry
+        self._owner = owner  # a rank that joined a sharded save leaves removal to the rank that began it
 
     def write(self, name: str, chunks: Iterable[Buffer], total_bytes: int) -> int:
         """Upload ``chunks`` in order as one file (streamed, not joined); returns the bytes written."""
@@ -159,6 +173,8 @@ class _FsspecStepWriter:
 
     def abort(self) -> None:
         """Remove what was uploaded (best effort; start-up cleans what is left)."""
+        if not self._owner:
+            return
         try:
             self._storage._remove_entry(self._entry)
         except OSError:

@@ -1,0 +1,113 @@
+"""Workers of the sharded-checkpoint tests: spawned gloo ranks that train a small model under FSDP2, DDP or
+neither, save or restore it with torchckpt, and write what they saw to ``out_dir/<rank>.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchckpt import Checkpointer
+from torchckpt.state.codec import split_tensors
+
+WIDTH = 33  # odd: FSDP2 shards it unevenly on 2 and 4 ranks
+
+
+def build(mode: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A small MLP wrapped for ``mode`` ("fsdp2", "ddp" or "single") and its AdamW."""
+    torch.manual_seed(seed)
+    model: nn.Module = nn.Sequential(nn.Linear(12, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+                                     nn.Linear(WIDTH, 5))
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    elif mode == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, optimizer
+
+
+def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, first: int, count: int, rank: int) -> list[float]:
+    """``count`` steps on batches that depend on the step number and rank only."""
+    losses = []
+    for step in range(first, first + count):
+        generator = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(8, 12, generator=generator)
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer tensor, gathered whole (rank 0 gets them; flat keys)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    _, model_tensors = split_tensors(model_state, "model")
+    _, optim_tensors = split_tensors(optim_state, "optimizer")
+    flat = {**{f"model.{k}": v for k, v in model_tensors.items()}, **{f"optimizer.{k}": v for k, v in optim_tensors.items()}}
+    return {key: tensor.clone() for key, tensor in flat.items()}  # a CPU step count is the live tensor otherwise
+
+
+def join(rank: int, world: int, port: int) -> None:
+    if world > 1 or os.environ.get("TORCHCKPT_TEST_GROUP_OF_ONE"):
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+
+
+def save_worker(rank: int, port: int, out_dir: str, world: int, mode: str, directory: str,
+                options: dict[str, Any]) -> None:
+    """Train 3 steps, save step 3 (model, optimizer, extras), write the full state to ``ref.safetensors``."""
+    join(rank, world, port)
+    model, optimizer = build(mode, seed=0)
+    losses = train_steps(model, optimizer, 1, 3, rank)
+    extras = {"epoch": 2, "rank_note": rank if options.get("per_rank_extras") else 0}
+    with Checkpointer(directory, **options.get("checkpointer", {})) as ckpt:
+        ckpt.save(3, model=model, optimizer=optimizer, extras=extras, metrics={"loss": losses[-1]})
+    reference = full_state(model, optimizer)
+    after = train_steps(model, optimizer, 4, 2, rank)
+    if rank == 0:
+        safetensors.torch.save_file(reference, os.path.join(directory, "..", "ref.safetensors"))
+    Path(out_dir, f"{rank}.json").write_text(json.dumps({"losses_after": after}))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def restore_worker(rank: int, port: int, out_dir: str, world: int, mode: str, directory: str,
+                   options: dict[str, Any]) -> None:
+    """Build a differently initialised model, restore, compare the full state with ``ref.safetensors``."""
+    import warnings
+
+    join(rank, world, port)
+    model, optimizer = build(mode, seed=1)
+    extras: dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Checkpointer(directory, **options.get("checkpointer", {})) as ckpt:
+            step = ckpt.restore(model=model, optimizer=optimizer, extras=extras)
+    restored = full_state(model, optimizer)
+    result: dict[str, Any] = {"step": step, "extras": extras,
+                              "warnings": [str(w.message) for w in caught if "restored on" in str(w.message)]}
+    if rank == 0:
+        reference = safetensors.torch.load_file(os.path.join(directory, "..", "ref.safetensors"))
+        result["keys_equal"] = sorted(reference) == sorted(restored)
+        result["unequal"] = [k for k in reference if k in restored and not torch.equal(reference[k], restored[k])]
+        result["compared"] = len(reference)
+    result["losses_after"] = train_steps(model, optimizer, 4, 2, rank)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized():
+        dist.destroy_process_group()
