@@ -111,3 +111,106 @@ def restore_worker(rank: int, port: int, out_dir: str, world: int, mode: str, di
     Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+KILL_POINTS = ("before-write", "after-write", "vote", "commit")
+
+
+def _arm(point: str) -> None:
+    """Make this process SIGKILL itself at ``point`` of the next sharded save."""
+    import signal
+
+    from torchckpt.state import shard_storage, sharded
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point in ("before-write", "after-write"):
+        original = shard_storage.ShardWriter.write_data
+
+        def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            if point == "before-write":
+                die()
+            result = original(self, plan, planner)
+            die()
+            return result
+
+        shard_storage.ShardWriter.write_data = write_data  # type: ignore[method-assign]
+    elif point == "vote":
+        publish = sharded.RankGroup.publish
+
+        def publish_or_die(self, key, value):  # type: ignore[no-untyped-def]
+            if "/files/" in key:
+                die()
+            publish(self, key, value)
+
+        sharded.RankGroup.publish = publish_or_die  # type: ignore[method-assign]
+    else:
+        commit = sharded._commit
+
+        def commit_or_die(*args, **kwargs):  # type: ignore[no-untyped-def]
+            die()
+            commit(*args, **kwargs)
+
+        sharded._commit = commit_or_die
+
+
+def kill_worker(rank: int, port: int, out_dir: str, world: int, directory: str, victim: int, point: str,
+                timeout_s: float) -> None:
+    """Save step 1, then step 2 while rank ``victim`` SIGKILLs itself at ``point``; survivors record the error."""
+    import time
+
+    join(rank, world, port)
+    model, optimizer = build("fsdp2", seed=0)
+    train_steps(model, optimizer, 1, 1, rank)
+    ckpt = Checkpointer(directory, rank_timeout_s=timeout_s)
+    ckpt.save(1, model=model, optimizer=optimizer)
+    train_steps(model, optimizer, 2, 1, rank)
+    if rank == victim:
+        _arm(point)
+    start = time.monotonic()
+    result: dict[str, Any] = {}
+    try:
+        ckpt.save(2, model=model, optimizer=optimizer)
+        result["error"] = None
+    except BaseException as error:  # noqa: BLE001 (recorded for the test to judge)
+        result.update(error=type(error).__name__, message=str(error)[:3000],
+                      missing=getattr(error, "missing_ranks", None))
+    result["seconds"] = time.monotonic() - start
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # a gloo group with a dead member may hang at teardown: leave at once
+
+
+def resume_worker(rank: int, port: int, out_dir: str, world: int, directory: str) -> None:
+    """Restore the newest committed step after a save was killed."""
+    join(rank, world, port)
+    model, optimizer = build("fsdp2", seed=1)
+    with Checkpointer(directory) as ckpt:
+        step = ckpt.restore(model=model, optimizer=optimizer)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps({"step": step}))
+    dist.destroy_process_group()
+
+
+def run_processes(worker: Any, world: int, *args: Any, out_dir: str, deadline_s: float) -> list[int | None]:
+    """``worker(rank, port, out_dir, world, *args)`` on ``world`` spawned processes that may die on their own
+    (torch.multiprocessing would kill the others); returns the exit codes (None: still running at the deadline,
+    then killed)."""
+    import multiprocessing
+    import time
+
+    from torchckpt.bench.distributed import free_port
+
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    processes = [context.Process(target=worker, args=(rank, port, out_dir, world, *args)) for rank in range(world)]
+    for process in processes:
+        process.start()
+    end = time.monotonic() + deadline_s
+    for process in processes:
+        process.join(max(0.0, end - time.monotonic()))
+    codes = [process.exitcode for process in processes]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    return codes

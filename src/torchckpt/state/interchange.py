@@ -13,11 +13,17 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
    is at or after the imported step is refused before anything is written: saving it
    would start a new branch and move the run's newer steps to ``abandoned/``
    (branches.py), so a file without a step key (step 0) would hide a whole run.
+4. **[export consolidates shards]** A sharded step (sharded.py) is exported whole by this
+   one process: full-size tensors are built from the shard index's shapes and dtypes and
+   DCP fills them from every rank's shards, each byte verified against its block hash.
+   Only a module item is exported (its state_dict, as the unsharded export writes it);
+   an optimizer's state is named after parameters and rank-local items are per rank.
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import os
 import pickle
 import re
@@ -27,18 +33,27 @@ from typing import Any
 import numpy as np
 import safetensors.torch
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from torchckpt.state.capture import RESERVED_ITEM_NAMES
+from torchckpt.state.catalog import StepGoneError, inspect_step, read_manifest
+from torchckpt.state.codec import join_tensors
 from torchckpt.state.errors import (
+    CheckpointCorruptError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     UnsafeFileError,
     fix_for_os_error,
+    warn_fallback,
 )
-from torchckpt.state.reader import read_newest_valid
-from torchckpt.state.storage import ABANDONED_DIR, open_storage
+from torchckpt.state.format import STATE_NAME
+from torchckpt.state.reader import candidate_steps, load_step, read_newest_valid
+from torchckpt.state.shard_storage import INDEX_NAME
+from torchckpt.state.sharded import ShardedStep, dcp_load, open_sharded, shard_reader
+from torchckpt.state.snapshot import Snapshot
+from torchckpt.state.storage import ABANDONED_DIR, Storage, open_storage
 
 _MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module", "net")
 _OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "opt")
@@ -224,7 +239,8 @@ def export_model_weights(
     """Write the model weights of the newest valid step (or ``step``) to one safetensors file.
 
     Keys are the model's state_dict keys ([export is atomic]); non-tensor entries are left out.
-    Returns the exported step.
+    A sharded step is consolidated into full tensors ([export consolidates shards]); ``item`` must
+    then be one of its module items. Returns the exported step.
 
     Example:
         >>> import tempfile
@@ -234,19 +250,130 @@ def export_model_weights(
         ...     ckpt.save(3, model=torch.nn.Linear(2, 2))
         >>> export_model_weights(run, os.path.join(run, "w.safetensors"))
         3
+        >>> with Checkpointer(os.path.join(run, "sharded"), sharded=True) as ckpt:
+        ...     ckpt.save(4, model=torch.nn.Linear(2, 2))
+        >>> export_model_weights(os.path.join(run, "sharded"), os.path.join(run, "s.safetensors"))
+        4
+        >>> sorted(safetensors.torch.load_file(os.path.join(run, "s.safetensors")))
+        ['bias', 'weight']
         >>> tmp.cleanup()
     """
     storage = open_storage(directory)
-    snapshot = read_newest_valid(storage, step=step, verify="full", fallback=True, wanted={item})
-    if snapshot is None:
-        raise CheckpointNotFoundError(f"{storage.location}: no checkpoint to export")
+    if _newest_is_sharded(storage, step):
+        exported, tensors = _newest_sharded_weights(storage, step, item)
+    else:
+        snapshot = read_newest_valid(storage, step=step, verify="full", fallback=True, wanted={item})
+        if snapshot is None:
+            raise CheckpointNotFoundError(f"{storage.location}: no checkpoint to export")
+        exported, tensors = snapshot.step, _snapshot_weights(storage, snapshot, item)
+    _write_safetensors_atomically(tensors, os.fspath(out), {"torchckpt_step": str(exported)})
+    return exported
+
+
+def _snapshot_weights(storage: Storage, snapshot: Snapshot, item: str) -> dict[str, torch.Tensor]:
     if item not in snapshot.items:
         raise CheckpointMismatchError(f"{storage.location}: step {snapshot.step} has no item {item!r}; "
                                       f"it holds {list(snapshot.item_names)}")
     _, state = snapshot.items[item]
-    tensors = {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
-    _write_safetensors_atomically(tensors, os.fspath(out), {"torchckpt_step": str(snapshot.step)})
-    return snapshot.step
+    return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def _newest_is_sharded(storage: Storage, step: int | None) -> bool:
+    """Whether the newest step with a readable manifest (or ``step``) is sharded."""
+    for candidate in candidate_steps(storage, step):
+        try:
+            return read_manifest(storage, candidate).world_size is not None
+        except CheckpointError:
+            continue
+    return False
+
+
+def _newest_sharded_weights(storage: Storage, step: int | None, item: str) -> tuple[int, dict[str, torch.Tensor]]:
+    """The newest valid step's (or ``step``'s) weights, sharded or not; corrupt newer steps are skipped with
+    a warning, as :func:`read_newest_valid` does."""
+    skipped: list[str] = []
+    for candidate in candidate_steps(storage, step):
+        try:
+            manifest = read_manifest(storage, candidate)
+            if manifest.world_size is None:  # an older unsharded step, reached by falling back
+                tensors = _snapshot_weights(storage, load_step(storage, candidate, "full", {item}), item)
+            else:
+                info = inspect_step(storage, candidate, "fast")  # sizes; sharded_weights verifies each byte read
+                if info.gone:
+                    raise StepGoneError(info.problem or f"{info.path}: gone")
+                if not info.valid:
+                    raise CheckpointCorruptError(info.problem or "not valid", dict(info.problems))
+                tensors = sharded_weights(open_sharded(storage, manifest), item)
+        except StepGoneError as error:
+            if step is not None:
+                raise CheckpointNotFoundError(str(error)) from None
+            continue
+        except CheckpointCorruptError as error:
+            skipped.append(f"step {candidate}: {error}")
+            if step is None:
+                continue
+            raise type(error)(f"step {candidate} is corrupt, nothing was exported: {error}", error.problems) from None
+        if skipped:
+            warn_fallback(f"exported step {candidate}; skipped corrupt newer step(s): " + " | ".join(skipped))
+        return candidate, tensors
+    if skipped:
+        raise CheckpointCorruptError(f"{storage.location}: no valid checkpoint among {len(skipped)} step(s): "
+                                     + " | ".join(skipped))
+    raise CheckpointNotFoundError(f"{storage.location}: no checkpoint to export")
+
+
+def sharded_weights(step: ShardedStep, item: str = "model") -> dict[str, torch.Tensor]:
+    """Full CPU tensors of module item ``item`` of a sharded step, under its state_dict keys, loaded by this
+    one process from every rank's shards ([export consolidates shards]).
+
+    Example:
+        >>> import tempfile
+        >>> from torchckpt.state.catalog import read_manifest
+        >>> from torchckpt.state.checkpointer import Checkpointer
+        >>> tmp = tempfile.TemporaryDirectory(); model = torch.nn.Linear(2, 2)
+        >>> with Checkpointer(tmp.name, sharded=True) as ckpt:
+        ...     ckpt.save(1, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> storage = open_storage(tmp.name)
+        >>> step = open_sharded(storage, read_manifest(storage, 1))
+        >>> torch.equal(sharded_weights(step)["weight"], model.weight)
+        True
+        >>> sharded_weights(step, "optimizer")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        torchckpt.state.errors.CheckpointMismatchError: ...: item 'optimizer' is an optimizer, ...
+        >>> tmp.cleanup()
+    """
+    source = step.storage.path_of(step.entry, STATE_NAME)
+    try:
+        sharded_meta: dict[str, Any] = dict(step.state["sharded_items"])
+        local_meta: dict[str, Any] = dict(step.state["local_items"])
+        kinds = {name: meta["kind"] for name, meta in sharded_meta.items()}
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointCorruptError(f"{source}: malformed ({error!r})", {source: "malformed"}) from None
+    if kinds.get(item) != "module":
+        modules = sorted(name for name, kind in kinds.items() if kind == "module")
+        what = {"optimizer": "an optimizer"}.get(kinds.get(item) or "", "a rank-local item (each rank saved its own)"
+                                                  if item in local_meta else "not in this step")
+        raise CheckpointMismatchError(
+            f"{source}: item {item!r} is {what}, and export writes a model's weights (a module item). Module "
+            f"items: {modules}; every item: {sorted([*sharded_meta, *local_meta])}. Fix: pass one of {modules} "
+            "(--item / item=).")
+    reader = shard_reader(step)
+    prefix = f"{item}."
+    targets: dict[str, torch.Tensor] = {}
+    for key, saved in reader.metadata.state_dict_metadata.items():
+        if not key.startswith(prefix) or not isinstance(saved, TensorStorageMetadata):
+            continue
+        if sum(math.prod(chunk.sizes) for chunk in saved.chunks) != math.prod(saved.size):
+            index = step.storage.path_of(step.entry, INDEX_NAME)
+            problem = f"the chunks of {key!r} do not cover its {list(saved.size)} elements"
+            raise CheckpointCorruptError(f"{index}: {problem}", {index: problem})
+        targets[key] = torch.empty(saved.size, dtype=saved.properties.dtype)
+    dcp_load(step, None, targets, source, reader=reader)
+    state = join_tensors(sharded_meta[item]["tree"], {key[len(prefix):]: t for key, t in targets.items()}, source)
+    if not isinstance(state, Mapping):
+        raise CheckpointCorruptError(f"{source}: item {item!r} is not a state_dict", {source: "not a state_dict"})
+    return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
 
 
 def _write_safetensors_atomically(tensors: Mapping[str, torch.Tensor], out: str, metadata: dict[str, str]) -> None:

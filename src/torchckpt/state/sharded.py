@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from torchckpt._host import local_part
 from torchckpt.state.capture import capture_item, item_kind
@@ -171,7 +172,7 @@ class RankGroup:
             if time.monotonic() > deadline:
                 raise RankLostError(
                     f"rank {owner} did not {what} within {self.timeout_s:g} s (dead or stuck); rank {self.rank} "
-                    "gives up. Fix: see rank {owner}'s log; the job resumes from the last committed step.", [owner])
+                    f"gives up. Fix: see rank {owner}'s log; the job resumes from the last committed step.", [owner])
             time.sleep(_POLL_S)
         return json.loads(self._store.get(key))
 
@@ -331,7 +332,15 @@ def write_sharded(storage: Storage, ranks: RankGroup | None, snap: ShardedSnapsh
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
                 dcp.save(snap.tensors, storage_writer=shard_writer, planner=planner,
                          process_group=ranks.group if ranks is not None else None, no_dist=ranks is None)
-        except Exception as error:
+        except (Exception, CheckpointException) as error:
+            failures = dcp_failures(error)
+            if failures:  # DCP gathered every rank's error: each rank raises the same one
+                rank_failed, first = min(failures.items())
+                if isinstance(first, CheckpointError) and len(failures) == 1 and ranks is None:
+                    raise first from None
+                raise CheckpointWriteError(
+                    f"step {snap.step} was not saved: rank(s) {sorted(failures)} failed while writing their shards; "
+                    f"rank {rank_failed}: {type(first).__name__}: {first}") from first
             if ranks is None or isinstance(error, CheckpointError):
                 raise
             ranks.publish(f"{prefix}/files/{rank}", {"failed": f"{type(error).__name__}: {error}"[:2000]})
@@ -347,9 +356,14 @@ def write_sharded(storage: Storage, ranks: RankGroup | None, snap: ShardedSnapsh
             ranks.publish(f"{prefix}/files/{rank}", vote)
         if rank != 0:
             assert ranks is not None
-            outcome = ranks.wait_one(f"{prefix}/outcome", f"commit step {snap.step}", deadline())
+            # rank 0 waits up to the timeout for the last vote, then commits: wait for it twice as long
+            outcome = ranks.wait_one(f"{prefix}/outcome", f"commit step {snap.step}",
+                                     deadline() + ranks.timeout_s + 30.0)
             if "error" in outcome:
-                raise CheckpointWriteError(f"step {snap.step} was not saved: rank 0 reports: {outcome['error']}")
+                message = f"step {snap.step} was not saved: rank 0 reports: {outcome['error']}"
+                if outcome.get("missing"):
+                    raise RankLostError(message, outcome["missing"])
+                raise CheckpointWriteError(message)
             return
         try:
             if ranks is not None:
@@ -357,7 +371,8 @@ def write_sharded(storage: Storage, ranks: RankGroup | None, snap: ShardedSnapsh
             _commit(writer, snap, votes, world, algorithm, before_commit)
         except BaseException as error:
             if ranks is not None:
-                ranks.publish(f"{prefix}/outcome", {"error": str(error)[:4000]})
+                ranks.publish(f"{prefix}/outcome", {"error": str(error)[:4000],
+                                                    "missing": getattr(error, "missing_ranks", [])})
             raise
         if ranks is not None:
             ranks.publish(f"{prefix}/outcome", {"committed": snap.step})
@@ -504,7 +519,7 @@ def prepare_restore(step: ShardedStep, ranks: RankGroup | None, items: Mapping[s
         _, live_tensors = split_tensors(_live_state(name, items[name], items, pairs), name, sharded=True)
         targets.update({f"{name}.{key}": torch.empty_like(t) for key, t in live_tensors.items()})
     if targets:
-        _dcp_load(step, ranks, targets, source)
+        dcp_load(step, ranks, targets, source)
     states = {}
     for name in names:
         loaded = {key[len(name) + 1:]: t for key, t in targets.items() if key.startswith(name + ".")}
@@ -533,10 +548,23 @@ def apply_restore(prepared: PreparedRestore, items: Mapping[str, Any]) -> None:
             set_optimizer_state_dict(items[prepared.pairs[name]], items[name], state)
 
 
-def _dcp_load(step: ShardedStep, ranks: RankGroup | None, targets: dict[str, torch.Tensor], source: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
+def shard_reader(step: ShardedStep) -> ShardReader:
+    """DCP StorageReader over ``step``'s shards: its index read whole and checked against the manifest, only
+    files the manifest lists read, in blocks verified before use (shard_storage.py).
 
+    Example:
+        >>> import tempfile
+        >>> from torchckpt.state.catalog import read_manifest
+        >>> from torchckpt.state.checkpointer import Checkpointer
+        >>> from torchckpt.state.storage import open_storage
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> with Checkpointer(tmp.name, sharded=True, capture_rng=False) as ckpt:
+        ...     ckpt.save(1, model=torch.nn.Linear(2, 1))
+        >>> storage = open_storage(tmp.name)
+        >>> sorted(shard_reader(open_sharded(storage, read_manifest(storage, 1))).metadata.state_dict_metadata)
+        ['model.bias', 'model.weight']
+        >>> tmp.cleanup()
+    """
     index = step.read_file(INDEX_NAME)
 
     def read_range(name: str, offset: int, length: int) -> bytes:
@@ -545,7 +573,38 @@ def _dcp_load(step: ShardedStep, ranks: RankGroup | None, targets: dict[str, tor
             raise CheckpointCorruptError(f"{path}: missing from the manifest", {path: "missing from the manifest"})
         return step.storage.read_range(step.entry, name, offset, length)
 
-    reader = ShardReader(index, read_range, source=step.storage.path_of(step.entry))
+    return ShardReader(index, read_range, source=step.storage.path_of(step.entry))
+
+
+def dcp_load(step: ShardedStep, ranks: RankGroup | None, targets: dict[str, torch.Tensor], source: str,
+             reader: ShardReader | None = None) -> None:
+    """Load ``targets`` (index keys such as ``"model.0.weight"`` -> tensors of the saved shape and dtype, or
+    DTensors) from ``step`` through DCP: every rank of ``ranks`` together, or this process alone (None).
+
+    ``reader``: a :func:`shard_reader` of ``step`` already open (its metadata built ``targets``). A key the
+    step lacks or a shape or dtype that differs is a :class:`CheckpointMismatchError` naming ``source``;
+    a byte that fails its hash, a :class:`CheckpointCorruptError`.
+
+    Example:
+        >>> import tempfile
+        >>> from torchckpt.state.catalog import read_manifest
+        >>> from torchckpt.state.checkpointer import Checkpointer
+        >>> from torchckpt.state.storage import open_storage
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> with Checkpointer(tmp.name, sharded=True, capture_rng=False) as ckpt:
+        ...     ckpt.save(1, model=torch.nn.Linear(2, 1, bias=False))
+        >>> storage = open_storage(tmp.name)
+        >>> step = open_sharded(storage, read_manifest(storage, 1))
+        >>> targets = {"model.weight": torch.empty(1, 2)}
+        >>> dcp_load(step, None, targets, "state.json")
+        >>> targets["model.weight"].shape
+        torch.Size([1, 2])
+        >>> tmp.cleanup()
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    reader = shard_reader(step) if reader is None else reader
     missing = sorted(set(targets) - set(reader.metadata.state_dict_metadata))
     if missing:
         raise CheckpointMismatchError(
@@ -566,24 +625,31 @@ def _dcp_load(step: ShardedStep, ranks: RankGroup | None, targets: dict[str, tor
                      process_group=ranks.group if ranks is not None else None, no_dist=ranks is None)
     except CheckpointError:
         raise
-    except Exception as error:
-        corrupt = _find_cause(error, CheckpointCorruptError)
-        if corrupt is not None:
-            raise corrupt from error
-        if ranks is not None and isinstance(error, RuntimeError) and "Connection" in str(error):
-            raise RankLostError(f"restoring step {step.manifest.step}: another rank is gone ({error})", []) from error
+    except (Exception, CheckpointException) as error:
+        failures = dcp_failures(error)
+        for failure in failures.values():  # the same on every rank: every rank falls back together
+            if isinstance(failure, CheckpointError):
+                raise failure from None
+        if failures:
+            rank_failed, first = min(failures.items())
+            raise CheckpointError(f"restoring step {step.manifest.step}: rank {rank_failed} failed: "
+                                  f"{type(first).__name__}: {first}") from first
+        if ranks is not None and isinstance(error, RuntimeError):
+            raise RankLostError(f"restoring step {step.manifest.step}: another rank is gone or stuck ({error})",
+                                []) from error
         raise
 
 
-def _find_cause(error: BaseException, kind: type[CheckpointCorruptError]) -> CheckpointCorruptError | None:
-    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: exception}
-    for failure in (failures or {}).values():
-        if isinstance(failure, kind):
-            return failure
-        text = str(failure)
-        if "CheckpointCorruptError" in text:
-            return kind(text.splitlines()[-1], {})
-    return None
+def dcp_failures(error: BaseException) -> dict[int, BaseException]:
+    """Each rank's exception in DCP's ``CheckpointException`` (a ``BaseException``), else {}.
+
+    Example:
+        >>> dcp_failures(ValueError("x"))
+        {}
+    """
+    if not isinstance(error, CheckpointException):
+        return {}
+    return {rank: pair[0] if isinstance(pair, tuple) else pair for rank, pair in error.failures.items()}
 
 
 def _prepare_local(step: ShardedStep, rank: int, world: int, items: Mapping[str, Any],

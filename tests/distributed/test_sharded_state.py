@@ -1,0 +1,116 @@
+"""Sharded checkpoints (state/sharded.py) on real gloo ranks: saved by one world size, restored on another,
+the parameters and optimizer state are bitwise the full state gathered at save time; on the same world size
+training goes on bitwise as if never interrupted; rank-local state follows the rule in docs/state.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchckpt import Checkpointer
+
+from .sharded_workers import restore_worker, save_worker
+
+
+@pytest.fixture
+def saved_by_two(spawn_ranks, tmp_path: Path) -> tuple[str, list[dict]]:
+    directory = str(tmp_path / "saved-by-2" / "ckpt")
+    Path(directory).parent.mkdir()
+    saved = spawn_ranks(save_worker, 2, "fsdp2", directory, {"per_rank_extras": False})
+    return directory, saved
+
+
+def _check_bitwise(result: dict) -> None:
+    assert result["step"] == 3
+    assert result["keys_equal"] and result["compared"] == 24  # 6 parameters, each with exp_avg, exp_avg_sq, step
+    assert result["unequal"] == []
+
+
+@pytest.mark.parametrize(("world", "mode"), [(2, "fsdp2"), (2, "ddp"), (1, "single"), (4, "fsdp2")])
+def test_saved_by_two_fsdp2_ranks_restores_bitwise(spawn_ranks, saved_by_two, world: int, mode: str) -> None:
+    directory, saved = saved_by_two
+    results = spawn_ranks(restore_worker, world, mode, directory, {})
+    _check_bitwise(results[0])
+    assert all(result["extras"] == {"epoch": 2, "rank_note": 0} for result in results)  # same on every rank
+    if world == 2:  # the world size that saved: each rank resumes exactly where it was (RNG streams too)
+        assert [r["losses_after"] for r in results] == [s["losses_after"] for s in saved]
+        assert results[0]["warnings"] == []
+    else:
+        [warning] = results[0]["warnings"]
+        assert "saved by 2 rank(s) and is restored on" in warning and "RNG streams not restored" in warning
+
+
+@pytest.mark.parametrize(("saved_world", "saved_mode", "world", "mode"),
+                         [(4, "fsdp2", 2, "fsdp2"), (2, "ddp", 2, "fsdp2"), (1, "single", 2, "fsdp2")])
+def test_reshards_between_world_sizes_and_engines(spawn_ranks, tmp_path: Path, saved_world: int, saved_mode: str,
+                                                   world: int, mode: str) -> None:
+    directory = str(tmp_path / "ckpt")
+    options = {"checkpointer": {"sharded": True}} if saved_world == 1 else {}
+    spawn_ranks(save_worker, saved_world, saved_mode, directory, options)
+    results = spawn_ranks(restore_worker, world, mode, directory, {})
+    _check_bitwise(results[0])
+
+
+def test_rank_local_items_that_differed_are_not_restored_on_another_world_size(spawn_ranks, tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    spawn_ranks(save_worker, 2, "fsdp2", directory, {"per_rank_extras": True})
+    same = spawn_ranks(restore_worker, 2, "fsdp2", directory, {})
+    assert [r["extras"]["rank_note"] for r in same] == [0, 1]  # each rank its own
+    [other] = spawn_ranks(restore_worker, 1, "single", directory, {})
+    assert other["extras"] == {}  # not restored: it differed between the ranks that saved
+    assert "item 'extras' not restored (its saved state differed between ranks)" in other["warnings"][0]
+    _check_bitwise(other)
+
+
+def test_every_file_of_a_sharded_step_is_json_or_safetensors(tmp_path: Path) -> None:
+    import json
+
+    from torchckpt.state.codec import decode_safetensors
+
+    model = torch.nn.Linear(4, 3)
+    with Checkpointer(tmp_path, sharded=True) as ckpt:
+        ckpt.save(1, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), extras={"e": 1})
+    step_dir = tmp_path / "step-000000001"
+    names = sorted(p.name for p in step_dir.iterdir())
+    assert names == ["manifest.json", "rank-00000-of-00001.state.json", "shards-00000-of-00001.safetensors",
+                     "shards.json", "state.json"]
+    for path in step_dir.iterdir():
+        data = path.read_bytes()
+        if path.suffix == ".json":
+            json.loads(data)
+        else:
+            assert decode_safetensors(data, str(path))
+
+
+def test_a_corrupt_block_falls_back_to_the_older_step(tmp_path: Path) -> None:
+    model = torch.nn.Linear(64, 64)
+    saved_at_1 = model.weight.detach().clone()
+    with Checkpointer(tmp_path, sharded=True) as ckpt:
+        ckpt.save(1, model=model)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        ckpt.save(2, model=model)
+    shard = tmp_path / "step-000000002" / "shards-00000-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01  # a byte of a tensor: its block hash no longer matches
+    shard.write_bytes(bytes(data))
+    fresh = torch.nn.Linear(64, 64)
+    with Checkpointer(tmp_path, sharded=True) as ckpt, pytest.warns(UserWarning, match="skipped corrupt newer step"):
+        assert ckpt.restore(model=fresh) == 1
+    assert torch.equal(fresh.weight, saved_at_1)
+    with Checkpointer(tmp_path, sharded=True) as ckpt:
+        with pytest.raises(Exception, match="block 0: hash mismatch"):
+            ckpt.restore(step=2, model=torch.nn.Linear(64, 64))
+
+
+def test_a_single_process_checkpointer_restores_a_sharded_step(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 3)
+    with Checkpointer(tmp_path, sharded=True) as ckpt:
+        ckpt.save(5, model=model)
+    fresh = torch.nn.Linear(4, 3)
+    with Checkpointer(tmp_path) as ckpt:  # no process group: it reads the sharded format as well
+        assert ckpt.restore(model=fresh) == 5
+        assert [info.valid for info in ckpt.list("full")] == [True]
+    assert torch.equal(fresh.weight, model.weight)
