@@ -166,6 +166,15 @@ class RankGroup:
             time.sleep(_POLL_S)
         return {rank: json.loads(self._store.get(key)) for rank, key in keys.items()}
 
+    def await_acks(self, prefix: str, skip: set[int]) -> None:
+        """Rank 0: wait (briefly) until the other ranks read the outcome, so that a process that holds the
+        store (rank 0 under ``mp.spawn``) does not exit before they do."""
+        deadline = time.monotonic() + min(self.timeout_s, 30.0)
+        keys = [f"{prefix}/{rank}" for rank in range(self.world_size) if rank not in skip]
+        while keys and time.monotonic() < deadline:
+            keys = [key for key in keys if not self._store.check([key])]
+            time.sleep(_POLL_S if keys else 0)
+
     def wait_one(self, key: str, what: str, deadline: float, owner: int = 0) -> dict[str, Any]:
         """The value of ``key`` (set by rank ``owner``), or :class:`RankLostError` at ``deadline``."""
         while not self._check(key, owner):
@@ -359,6 +368,7 @@ def write_sharded(storage: Storage, ranks: RankGroup | None, snap: ShardedSnapsh
             # rank 0 waits up to the timeout for the last vote, then commits: wait for it twice as long
             outcome = ranks.wait_one(f"{prefix}/outcome", f"commit step {snap.step}",
                                      deadline() + ranks.timeout_s + 30.0)
+            ranks.publish(f"{prefix}/ack/{rank}", {})  # rank 0 may exit once every rank read the outcome
             if "error" in outcome:
                 message = f"step {snap.step} was not saved: rank 0 reports: {outcome['error']}"
                 if outcome.get("missing"):
@@ -371,12 +381,15 @@ def write_sharded(storage: Storage, ranks: RankGroup | None, snap: ShardedSnapsh
             _commit(writer, snap, votes, world, algorithm, before_commit)
         except BaseException as error:
             if ranks is not None:
-                ranks.publish(f"{prefix}/outcome", {"error": str(error)[:4000],
-                                                    "missing": getattr(error, "missing_ranks", [])})
+                missing = getattr(error, "missing_ranks", [])
+                ranks.publish(f"{prefix}/outcome", {"error": str(error)[:4000], "missing": missing})
+                ranks.await_acks(f"{prefix}/ack", skip={0, *missing})
             raise
         if ranks is not None:
             ranks.publish(f"{prefix}/outcome", {"committed": snap.step})
         after_commit()
+        if ranks is not None:
+            ranks.await_acks(f"{prefix}/ack", skip={0})
     except BaseException:
         if rank == 0:
             writer.abort()
