@@ -59,8 +59,18 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     _, model_tensors = split_tensors(model_state, "model")
     _, optim_tensors = split_tensors(optim_state, "optimizer")
-    flat = {**{f"model.{k}": v for k, v in model_tensors.items()}, **{f"optimizer.{k}": v for k, v in optim_tensors.items()}}
+    flat = {**{f"model.{k}": v for k, v in model_tensors.items()},
+            **{f"optimizer.{k}": v for k, v in optim_tensors.items()}}
     return {key: tensor.clone() for key, tensor in flat.items()}  # a CPU step count is the live tensor otherwise
+
+
+def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's own part of the parameters and optimizer state (a DTensor's local shard)."""
+    from torchckpt._host import local_part
+
+    tensors = [*model.parameters(), *(t for state in optimizer.state.values() for t in state.values()
+                                       if isinstance(t, torch.Tensor))]
+    return sum(local_part(t).numel() * t.element_size() for t in tensors)
 
 
 def join(rank: int, world: int, port: int) -> None:
@@ -76,13 +86,16 @@ def save_worker(rank: int, port: int, out_dir: str, world: int, mode: str, direc
     model, optimizer = build(mode, seed=0)
     losses = train_steps(model, optimizer, 1, 3, rank)
     extras = {"epoch": 2, "rank_note": rank if options.get("per_rank_extras") else 0}
+    staging = {}
     with Checkpointer(directory, **options.get("checkpointer", {})) as ckpt:
         ckpt.save(3, model=model, optimizer=optimizer, extras=extras, metrics={"loss": losses[-1]})
+        staging["staging_bytes"] = ckpt._staging.capacity_bytes  # async saves: this rank's host copy
+    staging["local_bytes"] = local_bytes(model, optimizer)
     reference = full_state(model, optimizer)
     after = train_steps(model, optimizer, 4, 2, rank)
     if rank == 0:
         safetensors.torch.save_file(reference, os.path.join(directory, "..", "ref.safetensors"))
-    Path(out_dir, f"{rank}.json").write_text(json.dumps({"losses_after": after}))
+    Path(out_dir, f"{rank}.json").write_text(json.dumps({"losses_after": after, **staging}))
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -214,3 +227,42 @@ def run_processes(worker: Any, world: int, *args: Any, out_dir: str, deadline_s:
             process.kill()
             process.join()
     return codes
+
+
+def dead_rank_trial(root: str, victim: int, point: str, timeout_s: float, world: int = 3) -> list[str]:
+    """One trial: ``world`` ranks save step 1, rank ``victim`` is SIGKILLed at ``point`` of saving step 2, then a
+    restarted job resumes. Returns the violations found (empty: the trial passed)."""
+    directory = os.path.join(root, "ckpt")
+    out, resumed = os.path.join(root, "kill"), os.path.join(root, "resume")
+    os.makedirs(out)
+    os.makedirs(resumed)
+    problems = []
+    codes = run_processes(kill_worker, world, directory, victim, point, timeout_s, out_dir=out,
+                          deadline_s=3 * timeout_s + 60)
+    if codes[victim] != -9:
+        problems.append(f"rank {victim} exited with {codes[victim]}, not SIGKILL")
+    hung = [rank for rank, code in enumerate(codes) if rank != victim and code != 0]
+    if hung:
+        problems.append(f"survivor(s) {hung} did not exit cleanly (codes {codes}): hung or crashed")
+    for rank in range(world):
+        path = Path(out, f"{rank}.json")
+        if rank == victim or not path.exists():
+            continue
+        result = json.loads(path.read_text())
+        if result["error"] is None:
+            problems.append(f"rank {rank}: the save did not fail")
+        elif f"[{victim}]" not in result["message"] and f"rank {victim} " not in result["message"]:
+            problems.append(f"rank {rank}: the error does not name rank {victim}: {result['message'][:300]}")
+        if result["seconds"] > 2 * timeout_s + 15:
+            problems.append(f"rank {rank}: took {result['seconds']:.1f} s (timeout {timeout_s} s)")
+    committed = sorted(p.name for p in Path(directory).glob("step-*"))
+    if committed != ["step-000000001"]:
+        problems.append(f"committed steps {committed}; expected only step-000000001")
+    codes = run_processes(resume_worker, world, directory, out_dir=resumed, deadline_s=120)
+    steps = [json.loads(Path(resumed, f"{r}.json").read_text())["step"] if Path(resumed, f"{r}.json").exists()
+             else None for r in range(world)]
+    if codes != [0] * world or steps != [1] * world:
+        problems.append(f"resume: exit codes {codes}, restored steps {steps}; expected step 1 on every rank")
+    if list(Path(directory).glob(".tmp-*")):
+        problems.append("the killed save's temp directory was not cleaned at the restart")
+    return problems

@@ -114,3 +114,14 @@ def test_a_single_process_checkpointer_restores_a_sharded_step(tmp_path: Path) -
         assert ckpt.restore(model=fresh) == 5
         assert [info.valid for info in ckpt.list("full")] == [True]
     assert torch.equal(fresh.weight, model.weight)
+
+
+def test_an_async_sharded_save_stages_only_this_ranks_shard(spawn_ranks, tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    saved = spawn_ranks(save_worker, 2, "fsdp2", directory, {"checkpointer": {"async_save": True}})
+    for result in saved:  # one host copy of this rank's shard (64-byte aligned slots), not of the whole state
+        assert result["local_bytes"] <= result["staging_bytes"] <= result["local_bytes"] + 64 * 24
+    full = sum(result["local_bytes"] for result in saved)
+    assert all(result["staging_bytes"] < 0.75 * full for result in saved)
+    results = spawn_ranks(restore_worker, 1, "single", directory, {})
+    _check_bitwise(results[0])

@@ -49,14 +49,10 @@ def _launch(args: argparse.Namespace, config: TrainConfig) -> int:
     from torchckpt.train import TrainError
     from torchckpt.train.distributed import launch
 
-    if config.save:  # refused here, before N processes start, as each of them would refuse
-        raise TrainError(f"--nproc {args.nproc}: torchckpt cannot save sharded (FSDP2) training state yet, and one "
-                         "process's shard is not the model. Fix: add --no-save to train without checkpoints (the "
-                         "run cannot be resumed), or train in one process")
     forwarded = ["--budget", str(config.budget), "--size", config.size, "--batch-size", str(config.batch_size),
                  "--seq-len", str(config.seq_len), "--steps", str(config.steps), "--save-every",
-                 str(config.save_every), "--seed", str(config.seed), "--lr", repr(config.lr), "--dir", config.dir,
-                 "--no-save"]
+                 str(config.save_every), "--seed", str(config.seed), "--lr", repr(config.lr), "--dir", config.dir]
+    forwarded += [] if config.save else ["--no-save"]
     forwarded += ["--model", config.model] if config.model is not None else []
     forwarded += ["--threads", str(config.threads)] if config.threads is not None else []
     return launch(args.nproc, forwarded)

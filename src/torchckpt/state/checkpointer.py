@@ -333,7 +333,7 @@ class Checkpointer:
 
     def _write_sharded(self, snap: ShardedSnapshot) -> None:
         write_sharded(self._storage, self._ranks, snap, self.config.hash_algorithm,
-                      before_commit=lambda: abandon_newer_steps(self._storage, snap.step),
+                      before_commit=lambda: None if abandon_newer_steps(self._storage, snap.step) else None,
                       after_commit=self._apply_retention)
 
     def _valid_committed(self, step: int) -> CheckpointInfo | None:
@@ -446,11 +446,12 @@ class Checkpointer:
         ranks = self._ranks
         skipped: list[str] = []
         for candidate in candidate_steps(self._storage, step):
-            code, problem, prepared = 0, None, None
+            code, prepared = 0, None
+            problem: BaseException | None = None
             try:
                 info = inspect_step(self._storage, candidate, "fast")
                 if not info.valid:
-                    raise CheckpointCorruptError(info.problem or "invalid", info.problems)
+                    raise CheckpointCorruptError(info.problem or "invalid", dict(info.problems))
                 manifest = read_manifest(self._storage, candidate)
                 if manifest.world_size is None:
                     if ranks is not None:

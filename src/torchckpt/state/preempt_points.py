@@ -90,6 +90,9 @@ def on_request_for(ckpt: Any) -> Callable[[FrameType | None], None]:
 
     def on_request(frame: FrameType | None) -> None:
         target = ref()
+        ranks = getattr(target, "_ranks", None)
+        if ranks is not None and ranks.world_size > 1:
+            return  # a sharded save is collective: the ranks save together at the next maybe_save (checkpointer.py)
         if not traced and sys.gettrace() is None:
             traced.append(True)
             sys.settrace(on_call)

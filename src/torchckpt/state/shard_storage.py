@@ -214,7 +214,8 @@ def block_hashes(tensor: torch.Tensor, algorithm: str) -> list[str]:
         2
     """
     view = tensor.reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else memoryview(b"")
-    return [hash_bytes(view[start:start + BLOCK_BYTES], algorithm) for start in range(0, max(len(view), 1), BLOCK_BYTES)]
+    starts = range(0, max(len(view), 1), BLOCK_BYTES)
+    return [hash_bytes(view[start:start + BLOCK_BYTES], algorithm) for start in starts]
 
 
 def encode_index(metadata: Metadata, locations: Mapping[MetadataIndex, Any], algorithm: str) -> bytes:
@@ -228,7 +229,7 @@ def encode_index(metadata: Metadata, locations: Mapping[MetadataIndex, Any], alg
         >>> sorted(decode_index(encode_index(md, where, "crc32"), "shards.json")[1])
         ['w@0']
     """
-    tensors = {}
+    tensors: dict[str, dict[str, Any]] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             raise UnsupportedStateError(f"state dict key {fqn!r} is not a tensor ([no bytes items])")
@@ -282,14 +283,18 @@ def decode_index(data: bytes, source: str) -> tuple[Metadata, dict[str, ChunkLoc
                 dtype = _DTYPES_BY_NAME[info["dtype"]]
                 length = math.prod(sizes) * dtype.itemsize
                 blocks = tuple(chunk["blocks"])
-                if chunk["length"] != length or not all(type(b) is str for b in blocks) or len(blocks) != max(
-                        1, -(-length // BLOCK_BYTES)) or type(chunk["file"]) is not str or not _is_count(chunk["offset"]):
+                well_formed = (chunk["length"] == length and all(type(b) is str for b in blocks)
+                               and len(blocks) == max(1, -(-length // BLOCK_BYTES))
+                               and type(chunk["file"]) is str and _is_count(chunk["offset"]))
+                if not well_formed:
                     raise ValueError(f"chunk {offsets} of {fqn!r} has a bad location")
                 locations[chunk_key(fqn, offsets)] = ChunkLocation(
                     file=chunk["file"], offset=chunk["offset"], length=length, blocks=blocks)
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
-            properties = TensorProperties(dtype=_DTYPES_BY_NAME[info["dtype"]], requires_grad=info["requires_grad"] is True)
-            state_dict_metadata[fqn] = TensorStorageMetadata(properties=properties, size=torch.Size(size), chunks=chunks)
+            properties = TensorProperties(dtype=_DTYPES_BY_NAME[info["dtype"]],
+                                          requires_grad=info["requires_grad"] is True)
+            state_dict_metadata[fqn] = TensorStorageMetadata(properties=properties, size=torch.Size(size),
+                                                             chunks=chunks)
         metadata = Metadata(state_dict_metadata=state_dict_metadata, version=body.get("dcp_version"))
         return metadata, locations
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:
@@ -304,7 +309,7 @@ def _is_count(value: object) -> bool:
 def _ints(values: object, what: str) -> list[int]:
     if type(values) is not list or not all(_is_count(v) for v in values):
         raise ValueError(f"{what} {values!r} is not a list of non-negative ints")
-    return values  # type: ignore[return-value]
+    return values
 
 
 RangeReader = Callable[[str, int, int], bytes]  # (file name, byte offset, length) -> exactly those bytes

@@ -244,8 +244,10 @@ def _live_state(name: str, obj: Any, items: Mapping[str, Any], pairs: Mapping[st
 
 
 def _digest(tree: Any, tensors: Mapping[str, torch.Tensor]) -> str:
-    parts = [encode_json(tree)] + [key.encode() + bytes(local_part(t).detach().cpu().contiguous().reshape(-1)
-                                                        .view(torch.uint8).numpy()) for key, t in sorted(tensors.items())]
+    parts = [encode_json(tree)]
+    for key, tensor in sorted(tensors.items()):
+        memory = local_part(tensor).detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        parts.append(key.encode() + bytes(memory))
     return hash_bytes(b"\0".join(parts), "sha256")
 
 
@@ -300,7 +302,7 @@ def _staged(tensors: Mapping[str, torch.Tensor], staging: HostStaging) -> dict[s
     from torch.distributed.tensor import DTensor
 
     [copies] = staging.copy([{key: local_part(t).detach() for key, t in tensors.items()}])
-    staged = {}
+    staged: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
         if isinstance(tensor, DTensor):
             staged[key] = DTensor.from_local(copies[key], tensor.device_mesh, tensor.placements,
@@ -326,7 +328,7 @@ def write_sharded(storage: Storage, ranks: RankGroup | None, snap: ShardedSnapsh
     if rank == 0:
         writer = storage.begin_step(snap.step)
         if ranks is not None:
-            ranks.publish(f"{prefix}/temp", {"entry": writer.entry})  # type: ignore[attr-defined]
+            ranks.publish(f"{prefix}/temp", {"entry": writer.entry})
     else:
         assert ranks is not None
         entry = ranks.wait_one(f"{prefix}/temp", f"start step {snap.step}", deadline())["entry"]

@@ -7,9 +7,10 @@ Rules kept here (named in ``docs/design.md``):
    with FSDP2 (``fully_shard`` on every block, then on the root, as torchtitan does), gives every
    rank its own share of the data (a distributed sampler seeded with ``--seed``) and plans once on
    all ranks for a per-rank budget. ``torchckpt train --nproc N`` starts torchrun itself.
-2. **[sharded state is not saved until it can be saved right]** torchckpt cannot save sharded
-   training state yet, so a run on several processes needs ``--no-save``, and says so before it
-   trains, rather than save one rank's shard as if it were the model.
+2. **[every rank saves its shard]** On several processes the job's Checkpointer writes sharded
+   checkpoints (state/sharded.py): every rank takes part in each save and restore. Run again on the
+   same number of processes, the job resumes bit-exactly; on another number, the model and AdamW are
+   resharded exactly and the data loader starts its epoch again (sharded.py's [the rank-local rule]).
 3. **[rank 0 speaks for the run]** Every rank trains; only rank 0 prints, writes the run directory
    (``run.json``, ``plan.json``, ``losses.jsonl``, ``summary.json``) and reports figures over all
    ranks: the loss is the mean of the ranks' losses, the peak the largest rank's.

@@ -229,11 +229,6 @@ def train(config: TrainConfig, *, say: Callable[[str], None] = print, display: D
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     ranks = join_process_group()  # Note: [the main job runs on torchrun]
-    if ranks is not None and config.save:  # Note: [sharded state is not saved until it can be saved right]
-        ranks.leave()
-        raise TrainError(f"training on {ranks.world} processes: torchckpt cannot save sharded (FSDP2) training "
-                         "state yet, and one rank's shard is not the model. Fix: pass --no-save to train without "
-                         "checkpoints (the run cannot be resumed), or train in one process")
     if ranks is not None and not ranks.leader:  # Note: [rank 0 speaks for the run]
         say, display, live = (lambda text: None), QuietDisplay(), False
     checkpointer: Checkpointer | NotSaved = (
