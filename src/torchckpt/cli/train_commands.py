@@ -46,7 +46,6 @@ def _run(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace, config: TrainConfig) -> int:
     """``--nproc N``: the same command on N processes under torchrun (torchckpt.train.distributed.launch)."""
-    from torchckpt.train import TrainError
     from torchckpt.train.distributed import launch
 
     forwarded = ["--budget", str(config.budget), "--size", config.size, "--batch-size", str(config.batch_size),
