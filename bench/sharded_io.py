@@ -169,11 +169,14 @@ def save_phase(rank: int, port: int, out_dir: str, world: int, cfg: dict[str, An
     state_bytes = sum(t.numel() * t.element_size() for t in _local_tensors(model, optimizer))
     sums = _global_sums(model, optimizer)
     root = Path(cfg["data"])
+    parts = _Breakdown(SAVE_PARTS)
     blob: list[Any] = []  # the raw write's buffer, sized by the warm-up round's torchckpt save
 
     def ours(where: Path) -> None:
         with Checkpointer(where / "ours") as ckpt:  # built and closed untimed; the save alone is timed
+            parts.take(0.0)
             seconds = _timed(lambda: ckpt.save(1, model=model, optimizer=optimizer))
+            breakdown.update(parts.take(seconds))
         record["torchckpt save"] = (seconds, _rank_files(where / "ours", rank, world, "-{rank:05d}-of-{world:05d}",
                                                           leader_files=True))
 
@@ -209,6 +212,7 @@ def save_phase(rank: int, port: int, out_dir: str, world: int, cfg: dict[str, An
             where.mkdir()
         _barrier()
         record: dict[str, tuple[float, int]] = {}
+        breakdown: dict[str, float] = {}
         order = list(SAVE_METHODS)[number % 3:] + list(SAVE_METHODS)[:number % 3]
         for name in order:
             if name == "raw write (write+fsync)" and not blob:
@@ -217,7 +221,7 @@ def save_phase(rank: int, port: int, out_dir: str, world: int, cfg: dict[str, An
                                           generator=torch.Generator().manual_seed(rank)))
             methods[name](where)
         rounds.append({"order": order, "seconds": {k: v[0] for k, v in record.items()},
-                       "bytes": {k: v[1] for k, v in record.items()}})
+                       "bytes": {k: v[1] for k, v in record.items()}, "torchckpt_parts": breakdown})
     _barrier()
     if rank == 0:
         final = root / f"save-{cfg['repeats']}"
@@ -227,21 +231,80 @@ def save_phase(rank: int, port: int, out_dir: str, world: int, cfg: dict[str, An
     _barrier()
 
 
+# Parts of torchckpt's save and restore timed on their own (seconds summed per call): label -> the places the
+# function may live, (module, attribute), the first that exists is wrapped where its callers look it up.
+SAVE_PARTS = {
+    "snapshot: get_state_dict and rank-local files": [("torchckpt.state.checkpointer", "snapshot_sharded")],
+    "shard file: hash + write + fsync (ShardWriter.write_data)": [("torchckpt.state.shard_storage",
+                                                                   "ShardWriter.write_data")],
+    "commit (rank 0: state.json, manifest, rename, fsync)": [("torchckpt.state.sharded", "_commit")],
+}
+RESTORE_PARTS = {
+    "live state dicts (includes the optimizer state init)": [("torchckpt.state.sharded_restore", "live_state"),
+                                                             ("torchckpt.state.sharded", "_live_state")],
+    "read + verify + copy into targets (ShardReader.read_data)": [("torchckpt.state.shard_storage",
+                                                                  "ShardReader.read_data")],
+    "of which pread of byte ranges (LocalStorage.read_range; also the index)": [("torchckpt.state.storage",
+                                                                                 "LocalStorage.read_range")],
+    "apply into the live model and optimizer (apply_restore)": [("torchckpt.state.checkpointer", "apply_restore")],
+}
+
+
+class _Breakdown:
+    """Times calls of torchckpt's functions named in ``parts`` (a wrapper around each: a clock read per call)."""
+
+    def __init__(self, parts: dict[str, list[tuple[str, str]]]) -> None:
+        import importlib
+
+        self.seconds: dict[str, float] = {}
+        for label, places in parts.items():
+            for module_name, attribute in places:
+                try:
+                    owner: Any = importlib.import_module(module_name)
+                    *path, name = attribute.split(".")
+                    for part in path:
+                        owner = getattr(owner, part)
+                    function = getattr(owner, name)
+                except (ImportError, AttributeError):
+                    continue
+                setattr(owner, name, self._timed(label, function))
+                self.seconds[label] = 0.0
+                break
+
+    def _timed(self, label: str, function: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - start
+
+        return timed
+
+    def take(self, total: float) -> dict[str, float]:
+        """The seconds of each part since the last take, and the rest of ``total`` (outside every part but
+        the nested "of which" ones)."""
+        taken = dict(self.seconds)
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        taken["rest (DCP planning, store vote and waits, index, small files)"] = total - sum(
+            seconds for label, seconds in taken.items() if not label.startswith("of which"))
+        return taken
+
+
 class _CountingReaders:
-    """Wraps sharded.shard_reader to add up the bytes the ShardReaders of a restore read (untimed bookkeeping)."""
+    """Adds up the bytes the ShardReaders of a restore read from the shard files (untimed bookkeeping)."""
 
     def __init__(self) -> None:
-        from torchckpt.state import sharded
+        from torchckpt.state.shard_storage import ShardReader
 
         self.readers: list[Any] = []
-        original = sharded.shard_reader
+        original = ShardReader.__init__
 
-        def shard_reader(step: Any) -> Any:
-            reader = original(step)
+        def init(reader: Any, *args: Any, **kwargs: Any) -> None:
+            original(reader, *args, **kwargs)
             self.readers.append(reader)
-            return reader
 
-        sharded.shard_reader = shard_reader
+        ShardReader.__init__ = init  # type: ignore[method-assign]
 
     def take(self) -> int:
         total = sum(reader.bytes_read for reader in self.readers)
@@ -260,6 +323,7 @@ def restore_phase(rank: int, port: int, out_dir: str, world: int, cfg: dict[str,
     _join(rank, world, port)
     saved = Path(cfg["data"]) / "saved"
     counter = _CountingReaders()
+    parts = _Breakdown(RESTORE_PARTS)
     shard_files = sorted((saved / "ours").glob("step-*/shards-*.safetensors"))
     sizes = [path.stat().st_size for path in shard_files]
     raw_bytes: list[int] = []  # from the warm-up round's torchckpt restore on this rank
@@ -277,7 +341,9 @@ def restore_phase(rank: int, port: int, out_dir: str, world: int, cfg: dict[str,
     def ours() -> None:
         model, optimizer = fresh()
         with Checkpointer(saved / "ours") as ckpt:
+            parts.take(0.0)
             seconds = _timed(lambda: ckpt.restore(model=model, optimizer=optimizer))
+            breakdown.update(parts.take(seconds))
         record["torchckpt restore"] = (seconds, counter.take())
         check(model, optimizer)
 
@@ -324,6 +390,7 @@ def restore_phase(rank: int, port: int, out_dir: str, world: int, cfg: dict[str,
                "raw read (page cache)": raw}
     for number in range(cfg["repeats"] + 1):
         record: dict[str, tuple[float, int]] = {}
+        breakdown: dict[str, float] = {}
         order = list(RESTORE_METHODS)[number % 3:] + list(RESTORE_METHODS)[:number % 3]
         for name in order:
             if name == "raw read (page cache)" and not raw_bytes:
@@ -333,7 +400,7 @@ def restore_phase(rank: int, port: int, out_dir: str, world: int, cfg: dict[str,
             methods[name]()
         init()
         rounds.append({"order": order, "seconds": {k: v[0] for k, v in record.items()},
-                       "bytes": {k: v[1] for k, v in record.items()}})
+                       "bytes": {k: v[1] for k, v in record.items()}, "torchckpt_parts": breakdown})
     Path(out_dir, f"{rank}.json").write_text(json.dumps({"rank": rank, "state_bytes": state_bytes,
                                                          "restored_equal": all(checks), "rounds": rounds}))
     _barrier()
@@ -402,6 +469,22 @@ def summarize(records: list[dict[str, Any]], methods: tuple[str, ...]) -> dict[s
     return out
 
 
+def parts_summary(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Median and min-max seconds of each timed part of torchckpt's save or restore, over ranks x timed rounds.
+
+    Example:
+        >>> rounds = [{"torchckpt_parts": {"a": 9.0}}, {"torchckpt_parts": {"a": 0.5}}]
+        >>> parts_summary([{"rounds": rounds}])["a"]["median"]
+        0.5
+    """
+    values: dict[str, list[float]] = {}
+    for record in records:
+        for round_ in record["rounds"][1:]:
+            for label, seconds in round_["torchckpt_parts"].items():
+                values.setdefault(label, []).append(seconds)
+    return {label: {"median": statistics.median(v), "min": min(v), "max": max(v)} for label, v in values.items()}
+
+
 def ratio(summary: dict[str, Any], ours: str, raw: str, target: float) -> dict[str, Any]:
     """ours / raw throughput: per rank (of the per-rank medians) and pooled; met if the worst rank meets it.
 
@@ -448,6 +531,10 @@ def table(results: dict[str, Any]) -> str:
             speed = f"{rate['median']:.0f} ({rate['min']:.0f}-{rate['max']:.0f})" if any(row["bytes_per_rank"]) else "-"
             rows.append(f"| {phase['name']} | {name} | {size} | {speed} | {secs['median']:.3f} "
                         f"({secs['min']:.3f}-{secs['max']:.3f}) |")
+    rows += ["", "| phase | part of torchckpt's save / restore | seconds, median (min-max) |", "|---|---|---|"]
+    for phase in results["phases"]:
+        for label, secs in phase["torchckpt_parts"].items():
+            rows.append(f"| {phase['name']} | {label} | {secs['median']:.3f} ({secs['min']:.3f}-{secs['max']:.3f}) |")
     rows += ["", "| target | worst rank | per rank | pooled medians | wanted | met |", "|---|---|---|---|---|---|"]
     for target in results["targets"]:
         per_rank = ", ".join(f"{value:.2f}" for value in target["ratio"]["per_rank"])
@@ -464,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6, help="Linear layers of the MLP (default 6)")
     parser.add_argument("--width", type=int, default=2048, help="their width (default 2048: 6 x 16.8 MB)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up round (default 3)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds after the warm-up round (default 5)")
     parser.add_argument("--restore-worlds", default="1,4", help="ranks restoring the 2-rank save (default 1,4)")
     parser.add_argument("--dir", default=None, help="parent of the data directory (default: the system temp dir)")
     parser.add_argument("--quick", action="store_true", help="2 x 256 layers, 1 repeat (for tests)")
@@ -493,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
         phases.append({"name": "save, 2 ranks (FSDP2)", "kind": "save", "world": 2,
                        "wall_s": time.perf_counter() - start,
                        "state_bytes_per_rank": [r["state_bytes"] for r in saved],
-                       "methods": summarize(saved, SAVE_METHODS), "rounds": [r["rounds"] for r in saved]})
+                       "methods": summarize(saved, SAVE_METHODS), "torchckpt_parts": parts_summary(saved),
+                       "rounds": [r["rounds"] for r in saved]})
         print(f"save on 2 ranks: {phases[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
         for world in worlds:
             start = time.perf_counter()
@@ -504,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
                            "state_bytes_per_rank": [r["state_bytes"] for r in records],
                            "restored_equal": all(r["restored_equal"] for r in records),
                            "methods": summarize(records, (*RESTORE_METHODS, INIT_ROW)),
+                           "torchckpt_parts": parts_summary(records),
                            "rounds": [r["rounds"] for r in records]})
             print(f"restore on {world} ranks: {phases[-1]['wall_s']:.0f} s", file=sys.stderr, flush=True)
     finally:

@@ -31,7 +31,12 @@ from typing import Literal
 
 import torch
 
-from torchckpt.state.errors import CheckpointCorruptError, CheckpointFallbackWarning, CheckpointNotFoundError
+from torchckpt.state.errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointFallbackWarning,
+    CheckpointNotFoundError,
+)
 from torchckpt.state.format import (
     HASH_ALGORITHMS,
     MANIFEST_NAME,
@@ -405,3 +410,32 @@ def verify_checkpoint(
     if step is not None and infos[0].gone:
         raise StepGoneError(infos[0].problem)
     return [info for info in infos if not info.gone]
+
+
+def valid_committed(storage: Storage, step: int, verify: VerifyMode) -> CheckpointInfo | None:
+    """``step``'s info if it is a committed step that passes ``verify``, else None (absent, corrupt, or a
+    stray file named like a step: such a step may be replaced).
+
+    Example:
+        >>> print(valid_committed(open_storage("/nonexistent"), 3, "full"))
+        None
+    """
+    if step not in storage.step_entries():
+        return None
+    info = inspect_step(storage, step, verify)
+    return info if info.valid else None
+
+
+def check_step_free(storage: Storage, step: int, verify: VerifyMode) -> None:
+    """Raise :class:`CheckpointExistsError` if ``step`` holds a valid checkpoint (checkpointer.py's
+    [committed steps are immutable]).
+
+    Example:
+        >>> check_step_free(open_storage("/nonexistent"), 3, "full")
+    """
+    info = valid_committed(storage, step, verify)
+    if info is not None:
+        raise CheckpointExistsError(
+            f"{info.path} already holds a valid checkpoint of step {step}; committed steps are "
+            "never overwritten. Fix: save under a new step number, or delete that directory."
+        )

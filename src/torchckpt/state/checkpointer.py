@@ -38,7 +38,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -50,31 +50,28 @@ from torchckpt.state.capture import (
     capture_rng,
     check_item_name,
 )
-from torchckpt.state.catalog import CheckpointInfo, check_verify_mode, inspect_step, read_manifest
+from torchckpt.state.catalog import (
+    CheckpointInfo,
+    VerifyMode,
+    check_step_free,
+    check_verify_mode,
+    inspect_step,
+    valid_committed,
+)
 from torchckpt.state.config import CheckpointerConfig, check_metric_name, check_step
 from torchckpt.state.errors import (
-    CheckpointCorruptError,
     CheckpointError,
-    CheckpointExistsError,
-    CheckpointMismatchError,
-    warn_fallback,
 )
 from torchckpt.state.format import Manifest, encode_manifest, metric_value, step_dir_name
 from torchckpt.state.hashed_write import write_hashed
 from torchckpt.state.lifecycle import releaser, track
 from torchckpt.state.preempt_points import on_request_for
 from torchckpt.state.preemption import PreemptionHandler, parse_signals
-from torchckpt.state.reader import apply_snapshot, candidate_steps, read_newest_valid
-from torchckpt.state.retention import steps_to_keep
-from torchckpt.state.sharded import (
-    RankGroup,
-    ShardedSnapshot,
-    apply_restore,
-    open_sharded,
-    prepare_restore,
-    snapshot_sharded,
-    write_sharded,
-)
+from torchckpt.state.rank_group import RankGroup
+from torchckpt.state.reader import apply_snapshot, read_newest_valid
+from torchckpt.state.retention import apply_retention
+from torchckpt.state.sharded import ShardedSnapshot, snapshot_sharded, write_sharded
+from torchckpt.state.sharded_restore import newest_is_sharded, restore_newest_sharded
 from torchckpt.state.snapshot import FileChunks, encode_snapshot
 from torchckpt.state.staging import HostStaging, changed_only_by_optimizer_steps
 from torchckpt.state.storage import Storage, open_storage
@@ -103,10 +100,11 @@ class Checkpointer:
         # sharded.py: with a process group every rank takes part in each save and restore; rank 0 leads
         self._ranks = RankGroup.current(self.config.rank_timeout_s) if self.config.sharded is not False else None
         self._sharded = self._ranks is not None if self.config.sharded is None else self.config.sharded
+        # A sharded save asks every rank whether its step exists: "fast" gives each the same answer cheaply.
+        self._verify_for_existing: VerifyMode = "fast" if self._sharded else "full"
         if self._sharded and self.config.async_staging:
-            raise ValueError("async_staging=True is not supported for sharded checkpoints (a process group is "
-                             "initialised, or sharded=True); async_save=True alone copies this rank's shard "
-                             "before save() returns.")
+            raise ValueError("async_staging=True is not supported for sharded checkpoints (with a process group, "
+                             "or sharded=True); async_save=True alone copies this rank's shard before save() returns")
         self._storage: Storage = open_storage(directory)
         self._executor: ThreadPoolExecutor | None = None
         self._staging = HostStaging()  # used by async saves only ([async saves copy before returning])
@@ -185,30 +183,25 @@ class Checkpointer:
         if rng is None and self.config.capture_rng:
             rng = capture_rng()
         self._resume_point = (step, metrics, items, rng)  # this step is complete (preempt_points.py)
-        self._check_step_free(step)
+        check_step_free(self._storage, step, self._verify_for_existing)
         checked_metrics = {
             check_metric_name(name): metric_value(name, value) for name, value in (metrics or {}).items()
         }
+        staging = self._staging if self.config.async_save else None  # [async saves copy before returning]
         if self._sharded:
-            rank, world = (self._ranks.rank, self._ranks.world_size) if self._ranks is not None else (0, 1)
-            staging = self._staging if self.config.async_save else None  # [async saves copy before returning]
-            snap = snapshot_sharded(step, items, checked_metrics, rng, rank, world, staging)
-            if self.config.async_save:
-                self._inflight = self._pool().submit(self._write_sharded, snap)
-            else:
-                self._write_sharded(snap)
-            self._last_step = step
-            self._last_save_monotonic_s = time.monotonic()
-            return
-        files = self._snapshot(step, items, checked_metrics, rng)  # [async saves copy before returning]
+            snap = snapshot_sharded(step, items, checked_metrics, rng, self._ranks, staging)
+            write: Callable[[], None] = lambda: self._write_sharded(snap)  # noqa: E731
+        else:
+            files = self._snapshot(step, items, checked_metrics, rng)
+            write = lambda: self._write(step, files, checked_metrics)  # noqa: E731
         if self.config.async_staging and self._staging.deferred_count:
             self._staged = threading.Event()
             self._step_guard = register_optimizer_step_pre_hook(self._before_optimizer_step)
             self._inflight = self._pool().submit(self._stage_and_write, step, files, checked_metrics, self._staged)
         elif self.config.async_save:
-            self._inflight = self._pool().submit(self._write, step, files, checked_metrics)
+            self._inflight = self._pool().submit(write)
         else:
-            self._write(step, files, checked_metrics)
+            write()
         self._last_step = step
         self._last_save_monotonic_s = time.monotonic()
 
@@ -225,39 +218,34 @@ class Checkpointer:
             >>> ckpt.close(); tmp.cleanup()
         """
         self._check_open()
+        by_time = None
+        if self._ranks is not None and self._ranks.world_size > 1 and (
+                self._preemption is not None or self.config.save_every_seconds is not None):
+            # [ranks decide together]: a signal or a clock seen by one rank is acted on by every rank at this step
+            since_s = time.monotonic() - self._last_save_monotonic_s
+            preempted, by_time = self._ranks.agree_all(
+                [int(self.preemption_requested), int(self.config.due_by_time(since_s))], f"agree on step {step}")
+            if preempted and not self.preemption_requested:
+                self._save_and_exit(step, metrics, items, signal_name="a preemption signal on another rank")
         if self.preemption_requested:
             self._save_and_exit(step, metrics, items)
         # This step is complete; its RNG streams are kept for a save while the next epoch's DataLoader
         # iterator starts (preempt_points.py: that iterator has drawn from torch's RNG already).
         rng = capture_rng() if self._preemption is not None and self.config.capture_rng else None
         self._resume_point = (step, metrics, items, rng)
-        if not self._due(step):
+        since_s = time.monotonic() - self._last_save_monotonic_s
+        if not self.config.save_due(step, self._last_step, since_s, None if by_time is None else bool(by_time)):
             return False
         self.save(step, metrics=metrics, **items)
         return True
 
-    def _due(self, step: int) -> bool:
-        config = self.config
-        if config.save_every_steps is None and config.save_every_seconds is None:
-            if config.save_on_preemption:
-                return False
-            raise ValueError(
-                "maybe_save needs a policy: pass save_every_steps, save_every_seconds or "
-                "save_on_preemption=True to the Checkpointer (or call save directly)"
-            )
-        if step == self._last_step:
-            return False
-        by_steps = config.save_every_steps is not None and step % config.save_every_steps == 0
-        elapsed_s = time.monotonic() - self._last_save_monotonic_s
-        by_time = config.save_every_seconds is not None and elapsed_s >= config.save_every_seconds
-        return by_steps or by_time
-
     def _save_and_exit(self, step: int, metrics: Mapping[str, object] | None, items: Mapping[str, Any],
-                       rng: dict[str, Any] | None = None) -> None:
-        signal_name = self._preemption.requested.name  # type: ignore[union-attr]
+                       rng: dict[str, Any] | None = None, signal_name: str | None = None) -> None:
+        if signal_name is None:
+            signal_name = self._preemption.requested.name  # type: ignore[union-attr]
         # Skipped only when step is already safe: saved by this Checkpointer, or a valid committed step. A
         # corrupt step-N directory, or a stray file named like one, is replaced ([committed steps are immutable]).
-        if step != self._last_step and self._valid_committed(step) is None:
+        if step != self._last_step and valid_committed(self._storage, step, self._verify_for_existing) is None:
             self._save(step, metrics, items, rng)
         self.close()
         print(
@@ -329,38 +317,12 @@ class Checkpointer:
         except BaseException:
             writer.abort()
             raise
-        self._apply_retention()
+        apply_retention(self._storage, self.config.retention)
 
     def _write_sharded(self, snap: ShardedSnapshot) -> None:
         write_sharded(self._storage, self._ranks, snap, self.config.hash_algorithm,
                       before_commit=lambda: None if abandon_newer_steps(self._storage, snap.step) else None,
-                      after_commit=self._apply_retention)
-
-    def _valid_committed(self, step: int) -> CheckpointInfo | None:
-        """``step``'s info if it is a committed step that passes full verification, else None (absent,
-        corrupt, or a stray file named like a step: such a step may be replaced)."""
-        if step not in self._storage.step_entries():
-            return None
-        # A sharded save asks every rank, so each gives the same answer without reading the shards twice.
-        info = inspect_step(self._storage, step, "fast" if self._sharded else "full")
-        return info if info.valid else None
-
-    def _check_step_free(self, step: int) -> None:
-        info = self._valid_committed(step)
-        if info is not None:  # [committed steps are immutable]
-            raise CheckpointExistsError(
-                f"{info.path} already holds a valid checkpoint of step {step}; committed steps are "
-                "never overwritten. Fix: save under a new step number, or delete that directory."
-            )
-
-    def _apply_retention(self) -> None:
-        policy = self.config.retention
-        if policy.keeps_everything:
-            return
-        infos = [inspect_step(self._storage, step, "fast") for step in self._storage.step_entries()]
-        valid = {info.step: info.metrics for info in infos if info.valid}
-        for step in sorted(set(valid) - steps_to_keep(valid, policy)):  # [retention runs after a commit]
-            self._storage.remove_step(step)
+                      after_commit=lambda: apply_retention(self._storage, self.config.retention))
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -420,8 +382,9 @@ class Checkpointer:
             check_item_name(name)
         fallback = self.config.fallback if fallback is None else fallback
         rng_mode = rng if rng is not None else (None if self.config.capture_rng else False)
-        if self._sharded or self._newest_is_sharded(step):
-            restored = self._restore_sharded(step, fallback, items, rng_mode)
+        if self._sharded or newest_is_sharded(self._storage, step):
+            restored = restore_newest_sharded(self._storage, self._ranks, step, fallback, items, rng_mode,
+                                              self.config.verify)
             if restored is not None:
                 self._last_step = restored
             return restored
@@ -431,70 +394,6 @@ class Checkpointer:
         apply_snapshot(snapshot, items, rng_mode, self._storage.path_of(step_dir_name(snapshot.step), "state.json"))
         self._last_step = snapshot.step
         return snapshot.step
-
-    def _newest_is_sharded(self, step: int | None) -> bool:
-        for candidate in candidate_steps(self._storage, step):
-            try:
-                return read_manifest(self._storage, candidate).world_size is not None
-            except CheckpointError:
-                continue
-        return False
-
-    def _restore_sharded(self, step: int | None, fallback: bool, items: dict[str, Any],
-                         rng: bool | None) -> int | None:
-        """sharded.py's restore: the newest step that every rank reads and verifies; all ranks agree on it."""
-        ranks = self._ranks
-        skipped: list[str] = []
-        for candidate in candidate_steps(self._storage, step):
-            code, prepared = 0, None
-            problem: BaseException | None = None
-            try:
-                info = inspect_step(self._storage, candidate, "fast")
-                if not info.valid:
-                    raise CheckpointCorruptError(info.problem or "invalid", dict(info.problems))
-                manifest = read_manifest(self._storage, candidate)
-                if manifest.world_size is None:
-                    if ranks is not None:
-                        raise CheckpointMismatchError(
-                            f"{info.path} was saved by one process in the unsharded format; a run with a process "
-                            "group restores sharded steps only. Fix: restore it in one process with a "
-                            "Checkpointer(..., sharded=True) and save it again (a sharded step any world size "
-                            "reads), or restore with torchckpt.state.load on each rank.")
-                    prepared = None
-                else:
-                    prepared = prepare_restore(open_sharded(self._storage, manifest), ranks, items, rng)
-            except CheckpointCorruptError as error:
-                code, problem = 1, error
-            except BaseException as error:
-                code, problem = 2, error
-            if ranks is not None:
-                agreed = ranks.agree(code, f"agree on restoring step {candidate}")
-                if agreed == 2 and code != 2:
-                    raise CheckpointError(f"step {candidate}: another rank failed to restore it (its error is "
-                                          "in its log); nothing was restored on this rank.")
-                code = max(code, agreed)
-            if code == 2:
-                raise problem  # type: ignore[misc]
-            if code == 1:
-                skipped.append(f"step {candidate}: {problem or 'corrupt on another rank'}")
-                if fallback and step is None:
-                    continue
-                raise CheckpointCorruptError(f"step {candidate} is corrupt, nothing was restored: {skipped[-1]}")
-            if prepared is None:  # an unsharded step, in one process with sharded=True
-                snapshot = read_newest_valid(self._storage, step=candidate, verify=self.config.verify,
-                                             fallback=False, wanted=set(items))
-                assert snapshot is not None
-                apply_snapshot(snapshot, items, rng,
-                               self._storage.path_of(step_dir_name(candidate), "state.json"))
-            else:
-                apply_restore(prepared, items)
-            if skipped:
-                warn_fallback(f"restored step {candidate}; skipped corrupt newer step(s): " + " | ".join(skipped))
-            return candidate
-        if skipped:
-            raise CheckpointCorruptError(f"{self.directory}: no valid checkpoint among {len(skipped)} step(s): "
-                                         + " | ".join(skipped))
-        return None
 
     # ----- inspecting and closing ---------------------------------------------------------
 

@@ -64,6 +64,33 @@ class CheckpointerConfig:
                 isinstance(self.rank_timeout_s, (int, float)) and 0 < self.rank_timeout_s <= 86400):
             raise ValueError(f"rank_timeout_s={self.rank_timeout_s!r}: expected a number of seconds in (0, 86400]")
 
+    def save_due(self, step: int, last_step: int | None, seconds_since_save: float,
+                 by_time: bool | None = None) -> bool:
+        """Whether ``maybe_save`` saves ``step`` (``by_time``: the ranks' agreed clock, else this process's).
+
+        Example:
+            >>> CheckpointerConfig(save_every_steps=2).save_due(4, last_step=2, seconds_since_save=9.0)
+            True
+        """
+        if self.save_every_steps is None and self.save_every_seconds is None:
+            if self.save_on_preemption:
+                return False
+            raise ValueError("maybe_save needs a policy: pass save_every_steps, save_every_seconds or "
+                             "save_on_preemption=True to the Checkpointer (or call save directly)")
+        if step == last_step:
+            return False
+        by_steps = self.save_every_steps is not None and step % self.save_every_steps == 0
+        return by_steps or (self.due_by_time(seconds_since_save) if by_time is None else by_time)
+
+    def due_by_time(self, seconds_since_save: float) -> bool:
+        """Whether ``save_every_seconds`` have passed.
+
+        Example:
+            >>> CheckpointerConfig(save_every_seconds=60).due_by_time(61.0)
+            True
+        """
+        return self.save_every_seconds is not None and seconds_since_save >= self.save_every_seconds
+
     @property
     def retention(self) -> RetentionPolicy:
         """The keep_* options as a retention policy."""

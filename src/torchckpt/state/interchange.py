@@ -51,7 +51,7 @@ from torchckpt.state.errors import (
 from torchckpt.state.format import STATE_NAME
 from torchckpt.state.reader import candidate_steps, load_step, read_newest_valid
 from torchckpt.state.shard_storage import INDEX_NAME
-from torchckpt.state.sharded import ShardedStep, dcp_load, open_sharded, shard_reader
+from torchckpt.state.sharded_restore import ShardedStep, dcp_load, open_sharded, shard_reader
 from torchckpt.state.snapshot import Snapshot
 from torchckpt.state.storage import ABANDONED_DIR, Storage, open_storage
 

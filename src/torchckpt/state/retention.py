@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchckpt.state.storage import Storage
 
 KEEP_BEST_MODES = ("min", "max")
 
@@ -88,3 +92,21 @@ def _best_steps(valid_steps: Mapping[int, Mapping[str, float]], metric: str, mod
     sign = 1.0 if mode == "min" else -1.0
     scored.sort(key=lambda pair: (sign * pair[0], -pair[1]))  # ties: the newer step wins
     return [step for _, step in scored[:count]]
+
+
+def apply_retention(storage: Storage, policy: RetentionPolicy) -> None:
+    """Delete the valid committed steps ``policy`` does not keep (checkpointer.py's [retention runs after a
+    commit]); steps that are not valid are left alone.
+
+    Example:
+        >>> from torchckpt.state.storage import open_storage
+        >>> apply_retention(open_storage("/nonexistent"), RetentionPolicy(keep_last=1))
+    """
+    from torchckpt.state.catalog import inspect_step  # catalog imports the storage layer; keep this module light
+
+    if policy.keeps_everything:
+        return
+    infos = [inspect_step(storage, step, "fast") for step in storage.step_entries()]
+    valid = {info.step: info.metrics for info in infos if info.valid}
+    for step in sorted(set(valid) - steps_to_keep(valid, policy)):
+        storage.remove_step(step)

@@ -1,0 +1,169 @@
+"""The ranks of a sharded save or restore: a gloo group and the process group's store, every wait bounded.
+
+Rules kept here (named in ``docs/design.md``):
+
+1. **[no rank waits forever]** Every wait of a sharded save or restore (the store's keys, DCP's collectives
+   on a gloo group of ours) ends after ``rank_timeout_s``. A rank that died or hung is named: the survivors
+   raise :class:`RankLostError` with the ranks that did not take their part, and no step is committed.
+   The next writer deletes the temp directory at start-up.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from torchckpt.state.errors import CheckpointWriteError
+
+DEFAULT_RANK_TIMEOUT_S = 300.0
+_POLL_S = 0.05
+
+
+class RankLostError(CheckpointWriteError):
+    """Some ranks did not take their part in a sharded save or restore within the timeout (dead or stuck)."""
+
+    def __init__(self, message: str, missing_ranks: list[int]) -> None:
+        super().__init__(message)
+        self.missing_ranks = missing_ranks
+
+
+def rank_prefix(rank: int, world_size: int) -> str:
+    """Prefix of rank ``rank``'s own files in a sharded step.
+
+    Example:
+        >>> rank_prefix(2, 4)
+        'rank-00002-of-00004.'
+    """
+    return f"rank-{rank:05d}-of-{world_size:05d}."
+
+
+@dataclass
+class RankGroup:
+    """The processes taking part in sharded saves: a gloo group with a timeout, and the store to vote on.
+
+    Example:
+        >>> RankGroup.current(timeout_s=10.0) is None  # no process group in this process
+        True
+    """
+
+    rank: int
+    world_size: int
+    timeout_s: float
+    _group: Any = None
+    _store: Any = None
+    _session: str | None = None
+    _count: int = 0
+
+    @classmethod
+    def current(cls, timeout_s: float) -> RankGroup | None:
+        """The ranks of the initialised default process group, or None without one."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), timeout_s=timeout_s)
+
+    @property
+    def group(self) -> Any:
+        """A gloo group over every rank whose collectives time out after ``timeout_s`` ([no rank waits forever]).
+
+        Built by the first sharded save or restore (every rank calls it then: it is a collective)."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+            self._store = dist.distributed_c10d._get_default_store()
+            token = torch.zeros(32, dtype=torch.uint8)
+            if self.rank == 0:
+                token.copy_(torch.frombuffer(bytearray(uuid.uuid4().hex.encode()), dtype=torch.uint8))
+            self._collective("agree on a session id", lambda: dist.broadcast(token, src=0, group=self._group))
+            self._session = bytes(token.tolist()).decode()
+        return self._group
+
+    def next_prefix(self, what: str) -> str:
+        """Store key prefix of the next sharded operation (every rank counts the same operations)."""
+        _ = self.group
+        self._count += 1
+        return f"torchckpt/{self._session}/{self._count}/{what}"
+
+    def _collective(self, what: str, action: Callable[[], Any]) -> Any:
+        try:
+            return action()
+        except RuntimeError as error:
+            raise RankLostError(f"rank {self.rank}: {what} failed: another rank is gone or stuck ({error}); "
+                                f"no step was committed.", []) from error
+
+    def agree(self, code: int, what: str) -> int:
+        """The largest ``code`` any rank passed (every rank calls it; a collective with the timeout)."""
+        return self.agree_all([code], what)[0]
+
+    def agree_all(self, codes: list[int], what: str) -> list[int]:
+        """Element-wise the largest of ``codes`` over every rank (one collective with the timeout)."""
+        value = torch.tensor(codes, dtype=torch.int64)
+        self._collective(what, lambda: dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group))
+        return [int(v) for v in value.tolist()]
+
+    def publish(self, key: str, value: dict[str, Any]) -> None:
+        """Set ``key`` on the store to ``value`` as JSON."""
+        self._store.set(key, json.dumps(value))
+
+    def gather(self, prefix: str, what: str, deadline: float) -> dict[int, dict[str, Any]]:
+        """Every rank's value under ``prefix/R``, or :class:`RankLostError` naming the ranks missing at
+        ``deadline`` ([no rank waits forever])."""
+        keys = {rank: f"{prefix}/{rank}" for rank in range(self.world_size)}
+        missing = list(keys)
+        while True:
+            missing = [rank for rank in missing if not self._store.check([keys[rank]])]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise RankLostError(
+                    f"rank(s) {missing} did not {what} within {self.timeout_s:g} s (dead or stuck); no step was "
+                    f"committed. Fix: see those ranks' logs; the job resumes from the last committed step. "
+                    f"(The wait is Checkpointer(rank_timeout_s=...).)", missing)
+            time.sleep(_POLL_S)
+        return {rank: json.loads(self._store.get(key)) for rank, key in keys.items()}
+
+    def await_acks(self, prefix: str, skip: set[int]) -> None:
+        """Rank 0: wait (briefly) until the other ranks read the outcome, so that a process that holds the
+        store (rank 0 under ``mp.spawn``) does not exit before they do."""
+        deadline = time.monotonic() + min(self.timeout_s, 30.0)
+        keys = [f"{prefix}/{rank}" for rank in range(self.world_size) if rank not in skip]
+        while keys and time.monotonic() < deadline:
+            keys = [key for key in keys if not self._store.check([key])]
+            time.sleep(_POLL_S if keys else 0)
+
+    def wait_one(self, key: str, what: str, deadline: float, owner: int = 0) -> dict[str, Any]:
+        """The value of ``key`` (set by rank ``owner``), or :class:`RankLostError` at ``deadline``."""
+        while not self._check(key, owner):
+            if time.monotonic() > deadline:
+                raise RankLostError(
+                    f"rank {owner} did not {what} within {self.timeout_s:g} s (dead or stuck); rank {self.rank} "
+                    f"gives up. Fix: see rank {owner}'s log; the job resumes from the last committed step.", [owner])
+            time.sleep(_POLL_S)
+        return json.loads(self._store.get(key))
+
+    def _check(self, key: str, owner: int) -> bool:
+        try:
+            return bool(self._store.check([key]))
+        except RuntimeError as error:  # the store lived in a process that is gone (rank 0 with mp.spawn)
+            raise RankLostError(f"rank {self.rank}: the process group's store is unreachable ({error}); rank "
+                                f"{owner} (or the launcher that held the store) is gone. No step was committed.",
+                                [owner]) from error
+
+
+def dcp_failures(error: BaseException) -> dict[int, BaseException]:
+    """Each rank's exception in DCP's ``CheckpointException`` (a ``BaseException``), else {}.
+
+    Example:
+        >>> dcp_failures(ValueError("x"))
+        {}
+    """
+    if not isinstance(error, CheckpointException):
+        return {}
+    return {rank: pair[0] if isinstance(pair, tuple) else pair for rank, pair in error.failures.items()}

@@ -1,0 +1,46 @@
+"""bench/sharded_io.py --quick: a tiny model through every phase and method, into a temporary file. Only the
+structure of the results is checked (every method, finite positive numbers), never a timing."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SAVE = ("torchckpt save", "dcp.save (FileSystemWriter)", "raw write (write+fsync)")
+RESTORE = ("torchckpt restore", "dcp.load (FileSystemReader) + set_state_dict", "raw read (page cache)")
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_quick_run_writes_every_method(tmp_path: Path) -> None:
+    out = tmp_path / "sharded_io.json"
+    # a script run, not an import: its spawned ranks find their worker functions in the script's __main__
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "sharded_io.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert len(results["commit"]) == 40 or results["commit"] == "unknown"
+    assert "sharded_io.py" in results["command"] and "--quick" in results["command"]
+    assert [(p["kind"], p["world"]) for p in results["phases"]] == [("save", 2), ("restore", 1), ("restore", 4)]
+    for phase in results["phases"]:
+        names = SAVE if phase["kind"] == "save" else RESTORE
+        assert set(names) <= set(phase["methods"])
+        for name in names:
+            row = phase["methods"][name]
+            assert len(row["bytes_per_rank"]) == phase["world"]
+            assert all(_positive(b) for b in row["bytes_per_rank"])
+            assert all(_positive(row[key][stat]) for key in ("seconds", "mb_per_s") for stat in ("median", "min", "max"))
+        assert phase["torchckpt_parts"] and all(_positive(part["median"]) for label, part in
+                                                phase["torchckpt_parts"].items() if not label.startswith("rest"))
+        if phase["kind"] == "restore":
+            assert phase["restored_equal"] is True
+    assert len(results["targets"]) == 3
+    for target in results["targets"]:
+        assert _positive(target["ratio"]["worst_rank"]) and isinstance(target["ratio"]["met"], bool)
+    assert "torchckpt save" in done.stdout and "| target |" in done.stdout
