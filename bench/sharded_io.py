@@ -246,7 +246,8 @@ RESTORE_PARTS = {
                                                                   "ShardReader.read_data")],
     "of which pread of byte ranges (LocalStorage.read_range; also the index)": [("torchckpt.state.storage",
                                                                                  "LocalStorage.read_range")],
-    "apply into the live model and optimizer (apply_restore)": [("torchckpt.state.checkpointer", "apply_restore")],
+    "apply into the live model and optimizer (apply_restore)": [("torchckpt.state.sharded_restore", "apply_restore"),
+                                                                ("torchckpt.state.checkpointer", "apply_restore")],
 }
 
 

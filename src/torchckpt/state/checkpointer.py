@@ -30,6 +30,10 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
    handed to a hashing thread just before it is written (hashlib, zlib and xxhash
    release the GIL), so a save costs about max(hash, write), never their sum, and
    no byte is read twice from a joined copy.
+8. **[ranks decide together]** With a process group of several ranks (sharded.py), every rank calls
+   ``save``/``restore`` with the same arguments; rank 0 alone holds the lock and cleans leftovers. A
+   decision one rank could make alone (a preemption signal, ``save_every_seconds``) is agreed at every
+   ``maybe_save`` (an all-reduce), so all ranks save the same step.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ from torchckpt.state.preemption import PreemptionHandler, parse_signals
 from torchckpt.state.rank_group import RankGroup
 from torchckpt.state.reader import apply_snapshot, read_newest_valid
 from torchckpt.state.retention import apply_retention
-from torchckpt.state.sharded import ShardedSnapshot, snapshot_sharded, write_sharded
+from torchckpt.state.sharded import snapshot_sharded, write_sharded
 from torchckpt.state.sharded_restore import newest_is_sharded, restore_newest_sharded
 from torchckpt.state.snapshot import FileChunks, encode_snapshot
 from torchckpt.state.staging import HostStaging, changed_only_by_optimizer_steps
@@ -97,7 +101,6 @@ class Checkpointer:
         if config is not None and options:
             raise TypeError(f"pass either config= or keyword options, not both (got {sorted(options)})")
         self.config = config if config is not None else CheckpointerConfig(**options)
-        # sharded.py: with a process group every rank takes part in each save and restore; rank 0 leads
         self._ranks = RankGroup.current(self.config.rank_timeout_s) if self.config.sharded is not False else None
         self._sharded = self._ranks is not None if self.config.sharded is None else self.config.sharded
         # A sharded save asks every rank whether its step exists: "fast" gives each the same answer cheaply.
@@ -190,7 +193,10 @@ class Checkpointer:
         staging = self._staging if self.config.async_save else None  # [async saves copy before returning]
         if self._sharded:
             snap = snapshot_sharded(step, items, checked_metrics, rng, self._ranks, staging)
-            write: Callable[[], None] = lambda: self._write_sharded(snap)  # noqa: E731
+            write: Callable[[], None] = lambda: write_sharded(  # noqa: E731
+                self._storage, self._ranks, snap, self.config.hash_algorithm,
+                before_commit=lambda: abandon_newer_steps(self._storage, step),
+                after_commit=lambda: apply_retention(self._storage, self.config.retention))
         else:
             files = self._snapshot(step, items, checked_metrics, rng)
             write = lambda: self._write(step, files, checked_metrics)  # noqa: E731
@@ -318,11 +324,6 @@ class Checkpointer:
             writer.abort()
             raise
         apply_retention(self._storage, self.config.retention)
-
-    def _write_sharded(self, snap: ShardedSnapshot) -> None:
-        write_sharded(self._storage, self._ranks, snap, self.config.hash_algorithm,
-                      before_commit=lambda: None if abandon_newer_steps(self._storage, snap.step) else None,
-                      after_commit=lambda: apply_retention(self._storage, self.config.retention))
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:

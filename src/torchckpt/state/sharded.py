@@ -169,7 +169,7 @@ def _staged(tensors: Mapping[str, torch.Tensor], staging: HostStaging) -> dict[s
 
 
 def write_sharded(storage: Storage, ranks: RankGroup | None, snap: ShardedSnapshot, algorithm: str,
-                  before_commit: Callable[[], None], after_commit: Callable[[], None]) -> None:
+                  before_commit: Callable[[], object], after_commit: Callable[[], None]) -> None:
     """Write and commit one sharded step ([a sharded step commits by vote]); ``ranks`` None: one process."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
@@ -269,7 +269,7 @@ def _lost_or_failed(ranks: RankGroup, prefix: str, step: int, error: BaseExcepti
 
 
 def _commit(writer: StepWriter, snap: ShardedSnapshot, votes: Mapping[int, Mapping[str, Any]], world: int,
-            algorithm: str, before_commit: Callable[[], None]) -> None:
+            algorithm: str, before_commit: Callable[[], object]) -> None:
     failed = {rank: vote["failed"] for rank, vote in votes.items() if "failed" in vote}
     if failed:
         raise CheckpointWriteError(f"step {snap.step} was not saved: rank(s) failed: {failed}")
