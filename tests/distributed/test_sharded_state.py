@@ -125,3 +125,56 @@ def test_an_async_sharded_save_stages_only_this_ranks_shard(spawn_ranks, tmp_pat
     assert all(result["staging_bytes"] < 0.75 * full for result in saved)
     results = spawn_ranks(restore_worker, 1, "single", directory, {})
     _check_bitwise(results[0])
+
+
+def test_a_rank_reads_only_the_blocks_of_the_part_it_needs(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from torchckpt.state.catalog import read_manifest
+    from torchckpt.state.shard_storage import BLOCK_BYTES
+    from torchckpt.state.sharded_restore import open_sharded, shard_reader
+    from torchckpt.state.storage import open_storage
+
+    model = torch.nn.Linear(1024, 1024)  # a 4 MiB weight: four blocks
+    with Checkpointer(tmp_path, sharded=True) as ckpt:
+        ckpt.save(1, model=model)
+    storage = open_storage(tmp_path)
+    reader = shard_reader(open_sharded(storage, read_manifest(storage, 1)))
+    whole = torch.Size([0, 0])
+    item = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex("model.weight", whole), dest_offsets=whole,
+                    storage_index=MetadataIndex("model.weight", whole), storage_offsets=torch.Size([512, 0]),
+                    lengths=torch.Size([256, 1024]))  # rows 512..767: the third block exactly
+    part = reader._chunk_part(item)
+    assert torch.equal(part, model.weight.detach()[512:768])
+    assert reader.bytes_read == BLOCK_BYTES
+    item = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex("model.weight", whole), dest_offsets=whole,
+                    storage_index=MetadataIndex("model.weight", whole), storage_offsets=torch.Size([300, 0]),
+                    lengths=torch.Size([10, 1024]))  # 40 KiB inside the second block: that block only
+    assert torch.equal(reader._chunk_part(item), model.weight.detach()[300:310])
+    assert reader.bytes_read == 2 * BLOCK_BYTES
+
+
+def test_a_sharded_step_on_an_fsspec_url_commits_by_its_manifest(tmp_path: Path) -> None:
+    model = torch.nn.Linear(8, 4)
+    url = f"memory://torchckpt-sharded-{tmp_path.name}"
+    with Checkpointer(url, sharded=True) as ckpt:
+        ckpt.save(2, model=model, extras={"epoch": 1})
+        assert [info.valid for info in ckpt.list("full")] == [True]
+    fresh, extras = torch.nn.Linear(8, 4), {}
+    with Checkpointer(url, sharded=True) as ckpt:
+        assert ckpt.restore(model=fresh, extras=extras) == 2
+    assert torch.equal(fresh.weight, model.weight) and extras == {"epoch": 1}
+
+
+def test_an_index_whose_chunks_miss_part_of_a_tensor_is_corrupt() -> None:
+    import json
+
+    from torchckpt.state.errors import CheckpointCorruptError
+    from torchckpt.state.shard_storage import decode_index
+
+    body = {"format": "torchckpt.shards", "format_version": 1, "block_bytes": 1 << 20, "hash_algorithm": "crc32",
+            "dcp_version": None, "tensors": {"w": {"dtype": "F32", "requires_grad": False, "size": [4], "chunks": [
+                {"offsets": [0], "sizes": [2], "file": "s", "offset": 8, "length": 8, "blocks": ["x"]}]}}}
+    with pytest.raises(CheckpointCorruptError, match="do not cover its \\[4\\] elements"):
+        decode_index(json.dumps(body).encode(), "shards.json")

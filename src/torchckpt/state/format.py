@@ -309,6 +309,8 @@ def _manifest_from_body(body: dict[str, Any], path: str) -> Manifest:
     entries = {}
     for name, entry in files.items():
         where = f"files[{name!r}]"
+        if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+            _malformed(path, "files", name, "plain file names inside the step (no '/', '..')")
         entry = _field(path, where, entry, dict, "an object")
         size = entry.get("size_bytes")
         if not (_is_int(size) and 0 <= size < _MAX_SIZE_BYTES):

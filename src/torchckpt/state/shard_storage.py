@@ -291,6 +291,8 @@ def decode_index(data: bytes, source: str) -> tuple[Metadata, dict[str, ChunkLoc
                 locations[chunk_key(fqn, offsets)] = ChunkLocation(
                     file=chunk["file"], offset=chunk["offset"], length=length, blocks=blocks)
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+            if sum(math.prod(chunk.sizes) for chunk in chunks) != math.prod(size):
+                raise ValueError(f"the chunks of {fqn!r} do not cover its {list(size)} elements exactly once")
             properties = TensorProperties(dtype=_DTYPES_BY_NAME[info["dtype"]],
                                           requires_grad=info["requires_grad"] is True)
             state_dict_metadata[fqn] = TensorStorageMetadata(properties=properties, size=torch.Size(size),

@@ -53,7 +53,8 @@ class ShardedStep:
         return step_dir_name(self.manifest.step)
 
     def read_file(self, name: str) -> bytes:
-        """One small file of the step, whole, checked against the manifest's size and hash."""
+        """One small file of the step, whole, checked against the manifest's size and hash (format.py keeps
+        the manifest's names inside the step)."""
         expected = self.manifest.files.get(name)
         path = self.storage.path_of(self.entry, name)
         if expected is None:
@@ -128,7 +129,8 @@ def prepare_restore(step: ShardedStep, ranks: RankGroup | None, items: Mapping[s
     names = [name for name in items if name in sharded_meta]
     for name in names:
         _, live_tensors = split_tensors(live_state(name, items[name], items, pairs), name, sharded=True)
-        targets.update({f"{name}.{key}": torch.empty_like(t) for key, t in live_tensors.items()})
+        # zeros, not empty: a part no saved chunk covers (a damaged index) reads as 0, never stale memory
+        targets.update({f"{name}.{key}": torch.zeros_like(t) for key, t in live_tensors.items()})
     if targets:
         dcp_load(step, ranks, targets, source)
     states = {}
