@@ -25,7 +25,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torchckpt.state.errors import CheckpointWriteError
 
 DEFAULT_RANK_TIMEOUT_S = 300.0
-_POLL_S = 0.05
 
 
 class RankLostError(CheckpointWriteError):
@@ -110,43 +109,52 @@ class RankGroup:
 
     def publish(self, key: str, value: dict[str, Any]) -> None:
         """Set ``key`` on the store to ``value`` as JSON."""
-        self._store.set(key, json.dumps(value))
+        try:
+            self._store.set(key, json.dumps(value))
+        except RuntimeError as error:  # the store lived in a process that is gone (rank 0 with mp.spawn)
+            raise RankLostError(f"rank {self.rank}: the process group's store is unreachable ({error}); rank 0 "
+                                "(or the launcher that held the store) is gone. No step was committed.",
+                                [0]) from error
 
     def gather(self, prefix: str, what: str, deadline: float) -> dict[int, dict[str, Any]]:
         """Every rank's value under ``prefix/R``, or :class:`RankLostError` naming the ranks missing at
         ``deadline`` ([no rank waits forever])."""
         keys = {rank: f"{prefix}/{rank}" for rank in range(self.world_size)}
-        missing = list(keys)
-        while True:
-            missing = [rank for rank in missing if not self._store.check([keys[rank]])]
-            if not missing:
-                break
-            if time.monotonic() > deadline:
-                raise RankLostError(
-                    f"rank(s) {missing} did not {what} within {self.timeout_s:g} s (dead or stuck); no step was "
-                    f"committed. Fix: see those ranks' logs; the job resumes from the last committed step. "
-                    f"(The wait is Checkpointer(rank_timeout_s=...).)", missing)
-            time.sleep(_POLL_S)
+        if not self._wait(list(keys.values()), deadline, owner=0):
+            missing = [rank for rank, key in keys.items() if not self._check(key, 0)]
+            raise RankLostError(
+                f"rank(s) {missing} did not {what} within {self.timeout_s:g} s (dead or stuck); no step was "
+                f"committed. Fix: see those ranks' logs; the job resumes from the last committed step. "
+                f"(The wait is Checkpointer(rank_timeout_s=...).)", missing)
         return {rank: json.loads(self._store.get(key)) for rank, key in keys.items()}
 
     def await_acks(self, prefix: str, skip: set[int]) -> None:
         """Rank 0: wait (briefly) until the other ranks read the outcome, so that a process that holds the
         store (rank 0 under ``mp.spawn``) does not exit before they do."""
-        deadline = time.monotonic() + min(self.timeout_s, 30.0)
         keys = [f"{prefix}/{rank}" for rank in range(self.world_size) if rank not in skip]
-        while keys and time.monotonic() < deadline:
-            keys = [key for key in keys if not self._store.check([key])]
-            time.sleep(_POLL_S if keys else 0)
+        try:
+            self._wait(keys, time.monotonic() + min(self.timeout_s, 30.0), owner=0)
+        except RankLostError:
+            pass  # best effort: a rank that died after voting cannot acknowledge
 
     def wait_one(self, key: str, what: str, deadline: float, owner: int = 0) -> dict[str, Any]:
         """The value of ``key`` (set by rank ``owner``), or :class:`RankLostError` at ``deadline``."""
-        while not self._check(key, owner):
-            if time.monotonic() > deadline:
-                raise RankLostError(
-                    f"rank {owner} did not {what} within {self.timeout_s:g} s (dead or stuck); rank {self.rank} "
-                    f"gives up. Fix: see rank {owner}'s log; the job resumes from the last committed step.", [owner])
-            time.sleep(_POLL_S)
+        if not self._wait([key], deadline, owner):
+            raise RankLostError(
+                f"rank {owner} did not {what} within {self.timeout_s:g} s (dead or stuck); rank {self.rank} "
+                f"gives up. Fix: see rank {owner}'s log; the job resumes from the last committed step.", [owner])
         return json.loads(self._store.get(key))
+
+    def _wait(self, keys: list[str], deadline: float, owner: int) -> bool:
+        """Block until every key is set (the store wakes the waiter at once): True, or False at ``deadline``."""
+        if not keys:
+            return True
+        remaining = max(deadline - time.monotonic(), 0.001)
+        try:
+            self._store.wait(keys, datetime.timedelta(seconds=remaining))
+            return True
+        except RuntimeError:  # a timeout, or a store that is gone (then _check raises): tell them apart
+            return all(self._check(key, owner) for key in keys)
 
     def _check(self, key: str, owner: int) -> bool:
         try:

@@ -314,7 +314,7 @@ def _ints(values: object, what: str) -> list[int]:
     return values
 
 
-RangeReader = Callable[[str, int, int], bytes]  # (file name, byte offset, length) -> exactly those bytes
+RangeReader = Callable[[str, int, int], bytes | bytearray]  # (file name, byte offset, length) -> exactly those bytes
 
 
 class ShardReader(StorageReader):
@@ -408,7 +408,8 @@ class ShardReader(StorageReader):
             if hash_bytes(piece, self._algorithm) != location.blocks[number]:
                 self._corrupt(location.file, f"chunk {fqn}@{list(offsets)} block {number}: hash mismatch")
         self.bytes_read += length
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
+        buffer = data if isinstance(data, bytearray) else bytearray(data)  # local reads are one already
+        flat = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype)
         return flat.as_strided(lengths, strides, first - begin // dtype.itemsize)
 
     def _corrupt(self, name: str, problem: str) -> None:

@@ -258,14 +258,23 @@ def _hash_pool() -> Any:
 
 
 def _lost_or_failed(ranks: RankGroup, prefix: str, step: int, error: BaseException) -> CheckpointError:
-    """After a collective failed: name the ranks that did not report in time, or the rank that failed."""
+    """After a collective failed: name the ranks that did not report in time, or the rank that failed. Rank 0
+    returns only once the other survivors named them too (the store may live in rank 0's process)."""
     grace = time.monotonic() + min(ranks.timeout_s, 10.0)
+    missing: list[int] = []
     try:
         ranks.gather(f"{prefix}/files", f"finish writing step {step}", grace)
+        result: CheckpointError = CheckpointWriteError(
+            f"step {step} was not saved: a rank failed while writing its shards: {error}")
     except RankLostError as lost:
-        return RankLostError(f"step {step} was not saved: {lost} (the exchange of shards failed on rank "
-                             f"{ranks.rank}: {str(error).splitlines()[0][:300]})", lost.missing_ranks)
-    return CheckpointWriteError(f"step {step} was not saved: a rank failed while writing its shards: {error}")
+        missing = lost.missing_ranks
+        result = RankLostError(f"step {step} was not saved: {lost} (the exchange of shards failed on rank "
+                               f"{ranks.rank}: {str(error).splitlines()[0][:300]})", missing)
+    if ranks.rank == 0:
+        ranks.await_acks(f"{prefix}/failed-ack", skip={0, *missing})
+    elif 0 not in missing:
+        ranks.publish(f"{prefix}/failed-ack/{ranks.rank}", {})
+    return result
 
 
 def _commit(writer: StepWriter, snap: ShardedSnapshot, votes: Mapping[int, Mapping[str, Any]], world: int,

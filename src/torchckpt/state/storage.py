@@ -83,7 +83,7 @@ class Storage(Protocol):
     def file_size(self, entry: str, name: str) -> int | None: ...
     def begin_step(self, step: int) -> StepWriter: ...
     def join_step(self, step: int, entry: str) -> StepWriter: ...
-    def read_range(self, entry: str, name: str, offset: int, length: int) -> bytes: ...
+    def read_range(self, entry: str, name: str, offset: int, length: int) -> bytes | bytearray: ...
     def remove_step(self, step: int) -> None: ...
     def abandon_step(self, step: int) -> str: ...
     def clean_leftovers(self) -> list[str]: ...
@@ -264,7 +264,7 @@ class LocalStorage:
                 "filesystem, or an fsspec URL). Fix: pass a shared path to every rank's Checkpointer.")
         return _LocalStepWriter(self, step, entry, create=False)
 
-    def read_range(self, entry: str, name: str, offset: int, length: int) -> bytes:
+    def read_range(self, entry: str, name: str, offset: int, length: int) -> bytearray:
         """Up to ``length`` bytes of one file from ``offset`` (fewer at its end; FileNotFoundError if missing).
 
         Only a regular file inside the step is read (local_files.py's [only regular files are read])."""
@@ -272,14 +272,18 @@ class LocalStorage:
 
         fd = open_in_step(self.path_of(entry), name)
         try:
-            parts = []
-            while length > 0:
-                part = os.pread(fd, min(length, 1 << 30), offset)
-                if not part:
+            length = max(0, min(length, os.fstat(fd).st_size - offset))  # never more than the file holds
+            buffer = bytearray(length)  # read straight into it: the caller views it without a copy
+            view, done = memoryview(buffer), 0
+            while done < length:
+                count = os.preadv(fd, [view[done:done + (1 << 30)]], offset + done)
+                if not count:
                     break
-                parts.append(part)
-                offset, length = offset + len(part), length - len(part)
-            return b"".join(parts) if len(parts) != 1 else parts[0]
+                done += count
+            if done < length:
+                del view
+                del buffer[done:]
+            return buffer
         finally:
             os.close(fd)
 
