@@ -1,7 +1,7 @@
 """Dead-rank soak for sharded saves: many trials of tests/distributed/test_sharded_dead_rank.py's harness.
 
 Usage: .venv/bin/python bench/state/sharded_kill_soak.py [--trials 20] [--seed 1] [--timeout-s 15]
-       [--out bench/results/sharded_kill_soak.json]
+       [--out bench/results]   (writes sharded_kill_soak.json there)
 
 Each trial starts 3 gloo ranks that save step 1 of an FSDP2 model, then SIGKILLs one rank (random) at a
 random point of saving step 2 (before or after writing its shard, at its vote, or rank 0 just before the
@@ -13,7 +13,6 @@ summary and writes the results; exits 1 on any violation.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -23,7 +22,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "distributed"))
 from sharded_workers import KILL_POINTS, dead_rank_trial
 
-from torchckpt.bench.provenance import provenance
+from torchckpt.bench.provenance import run_record, write_results
 
 
 def main() -> int:
@@ -34,6 +33,7 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    record = run_record(command=" ".join(sys.argv), trials=args.trials, seed=args.seed, timeout_s=args.timeout_s)
     trials = []
     for number in range(args.trials):
         point = rng.choice(KILL_POINTS)
@@ -48,9 +48,9 @@ def main() -> int:
     failed = [trial for trial in trials if trial["violations"]]
     print(f"{len(trials)} trials, {len(failed)} with violations")
     if args.out:
-        with open(args.out, "w") as handle:
-            json.dump({"provenance": provenance(" ".join(sys.argv)), "timeout_s": args.timeout_s,
-                       "trials": trials, "violations": len(failed)}, handle, indent=1)
+        seconds = sorted(trial["seconds"] for trial in trials)
+        write_results({**record, "results": trials, "violations": len(failed),
+                       "trial_seconds_median": seconds[len(seconds) // 2]}, args.out, "sharded_kill_soak.json")
     return 1 if failed else 0
 
 

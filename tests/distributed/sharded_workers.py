@@ -266,3 +266,38 @@ def dead_rank_trial(root: str, victim: int, point: str, timeout_s: float, world:
     if list(Path(directory).glob(".tmp-*")):
         problems.append("the killed save's temp directory was not cleaned at the restart")
     return problems
+
+
+def failing_worker(rank: int, port: int, out_dir: str, world: int, directory: str, failing: int) -> None:
+    """Save step 1; then rank ``failing`` cannot write its rank-local file of step 2 (an OSError, as a full
+    disk gives); every rank records what it raised and how long it took."""
+    import errno
+    import time
+
+    from torchckpt.state import sharded
+
+    join(rank, world, port)
+    model, optimizer = build("fsdp2", seed=0)
+    train_steps(model, optimizer, 1, 1, rank)
+    result: dict[str, Any] = {}
+    with Checkpointer(directory, rank_timeout_s=60.0) as ckpt:
+        ckpt.save(1, model=model, optimizer=optimizer, extras={"rank": rank})
+        if rank == failing:
+            original = sharded.write_hashed
+
+            def write_hashed(writer, name, chunks, algorithm, pool):  # type: ignore[no-untyped-def]
+                if name.startswith("rank-"):
+                    raise OSError(errno.ENOSPC, "No space left on device (injected)")
+                return original(writer, name, chunks, algorithm, pool)
+
+            sharded.write_hashed = write_hashed
+        start = time.monotonic()
+        try:
+            ckpt.save(2, model=model, optimizer=optimizer, extras={"rank": rank})
+            result["error"] = None
+        except Exception as error:  # noqa: BLE001 (recorded for the test to judge)
+            result.update(error=type(error).__name__, message=str(error)[:2000])
+        result["seconds"] = time.monotonic() - start
+        result["steps"] = [info.step for info in ckpt.list() if info.valid]
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()

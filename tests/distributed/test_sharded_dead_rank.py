@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .sharded_workers import dead_rank_trial
+from .sharded_workers import dead_rank_trial, failing_worker
 
 TIMEOUT_S = 15.0
 
@@ -17,3 +17,13 @@ TIMEOUT_S = 15.0
 @pytest.mark.parametrize(("victim", "point"), [(2, "before-write"), (1, "after-write"), (1, "vote"), (0, "commit")])
 def test_a_killed_rank_leaves_no_step_and_is_named(tmp_path: Path, victim: int, point: str) -> None:
     assert dead_rank_trial(str(tmp_path), victim, point, TIMEOUT_S) == []
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_rank_that_fails_to_write_fails_the_save_on_every_rank_at_once(spawn_ranks, tmp_path: Path,
+                                                                        failing: int) -> None:
+    results = spawn_ranks(failing_worker, 2, str(tmp_path / "ckpt"), failing)
+    for result in results:
+        assert result["error"] is not None and "No space left on device (injected)" in result["message"], result
+        assert result["seconds"] < 20, result  # not the 60 s timeout: the failure is voted at once
+        assert result["steps"] == [1]

@@ -142,7 +142,10 @@ def snapshot_sharded(step: int, items: Mapping[str, Any], metrics: Mapping[str, 
     digests = {name: _digest(*split_tensors(state, name)) for name, (_, state) in local.items()}
     if staging is not None:
         tensors = _staged(tensors, staging)
-    files = encode_snapshot(step=step, items=local, rng=rng, metrics=metrics, staging=None)
+    # an async save copies the rank-local tensors too (small: schedulers and loaders hold none), in a buffer
+    # of their own that lives as long as these files
+    files = encode_snapshot(step=step, items=local, rng=rng, metrics=metrics,
+                            staging=HostStaging() if staging is not None else None)
     prefix = rank_prefix(ranks.rank, ranks.world_size) if ranks is not None else rank_prefix(0, 1)
     return ShardedSnapshot(step=step, tensors=tensors, trees=trees, kinds=kinds, pairs=pairs,
                            local_files={prefix + n: list(chunks) for n, chunks in files.items()},
@@ -170,85 +173,133 @@ def _staged(tensors: Mapping[str, torch.Tensor], staging: HostStaging) -> dict[s
 
 def write_sharded(storage: Storage, ranks: RankGroup | None, snap: ShardedSnapshot, algorithm: str,
                   before_commit: Callable[[], object], after_commit: Callable[[], None]) -> None:
-    """Write and commit one sharded step ([a sharded step commits by vote]); ``ranks`` None: one process."""
+    """Write and commit one sharded step ([a sharded step commits by vote]); ``ranks`` None: one process.
+
+    A failure on one rank reaches every rank: DCP's own errors are raised on all of them; a lost rank is
+    named by all (:class:`RankLostError`); any other failure is a "failed" vote, and rank 0's outcome
+    carries it to the others. Rank 0 removes the temp directory of a step that was not committed."""
+    rank = ranks.rank if ranks is not None else 0
+    prefix = ranks.next_prefix(f"save-{snap.step}") if ranks is not None else ""
+    writer = _open_step(storage, ranks, prefix, snap.step)
+    try:
+        try:
+            vote = _write_part(writer, ranks, prefix, snap, algorithm)
+        except _ReachedEveryRank:
+            raise
+        except BaseException as error:  # this rank alone failed: vote so, so nobody waits for the timeout
+            if ranks is not None:
+                ranks.publish(f"{prefix}/files/{rank}", {"failed": f"{type(error).__name__}: {error}"[:2000]})
+                if rank == 0:
+                    _publish_failure(ranks, prefix, error)
+                else:
+                    ranks.publish(f"{prefix}/ack/{rank}", {})  # it will not wait for rank 0's outcome
+            raise
+        if rank != 0:
+            assert ranks is not None
+            _await_outcome(ranks, prefix, snap.step)
+            return
+        try:
+            votes = {0: vote} if ranks is None else ranks.gather(
+                f"{prefix}/files", f"finish writing step {snap.step}", time.monotonic() + ranks.timeout_s)
+            _commit(writer, snap, votes, ranks.world_size if ranks is not None else 1, algorithm, before_commit)
+        except BaseException as error:
+            if ranks is not None:
+                _publish_failure(ranks, prefix, error)
+            raise
+    except BaseException as error:
+        if rank == 0:
+            writer.abort()
+        if isinstance(error, _ReachedEveryRank):
+            raise error.error from error.__cause__
+        raise
+    if ranks is not None:
+        ranks.publish(f"{prefix}/outcome", {"committed": snap.step})
+        ranks.await_acks(f"{prefix}/ack", skip={0})
+    after_commit()  # retention, once the other ranks have gone back to training
+
+
+class _ReachedEveryRank(Exception):
+    """Carries an error every rank raises by itself (DCP gathered it, or every survivor named a lost rank)."""
+
+    def __init__(self, error: CheckpointError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _open_step(storage: Storage, ranks: RankGroup | None, prefix: str, step: int) -> StepWriter:
+    """Rank 0 opens the temp directory and publishes it (or its failure); the others join it."""
+    if ranks is None or ranks.rank == 0:
+        try:
+            writer = storage.begin_step(step)
+        except BaseException as error:
+            if ranks is not None:
+                ranks.publish(f"{prefix}/temp", {"error": f"{type(error).__name__}: {error}"[:2000]})
+            raise
+        if ranks is not None:
+            ranks.publish(f"{prefix}/temp", {"entry": writer.entry})
+        return writer
+    started = ranks.wait_one(f"{prefix}/temp", f"start step {step}", time.monotonic() + ranks.timeout_s)
+    if "error" in started:
+        raise CheckpointWriteError(f"step {step} was not saved: rank 0 could not start it: {started['error']}")
+    return storage.join_step(step, started["entry"])
+
+
+def _write_part(writer: StepWriter, ranks: RankGroup | None, prefix: str, snap: ShardedSnapshot,
+                algorithm: str) -> dict[str, Any]:
+    """This rank's shards (through DCP) and rank-local files, fsynced; returns its vote (published)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
-    prefix = ranks.next_prefix(f"save-{snap.step}") if ranks is not None else ""
-    deadline = lambda: time.monotonic() + (ranks.timeout_s if ranks is not None else 0)  # noqa: E731
-    writer: StepWriter
-    if rank == 0:
-        writer = storage.begin_step(snap.step)
-        if ranks is not None:
-            ranks.publish(f"{prefix}/temp", {"entry": writer.entry})
-    else:
-        assert ranks is not None
-        entry = ranks.wait_one(f"{prefix}/temp", f"start step {snap.step}", deadline())["entry"]
-        writer = storage.join_step(snap.step, entry)
     entries: dict[str, FileEntry] = {}
+    shard_writer = ShardWriter(writer, rank=rank, world_size=world, algorithm=algorithm, on_written=entries.update)
+    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     try:
-        shard_writer = ShardWriter(writer, rank=rank, world_size=world, algorithm=algorithm,
-                                   on_written=entries.update)
-        planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-                dcp.save(snap.tensors, storage_writer=shard_writer, planner=planner,
-                         process_group=ranks.group if ranks is not None else None, no_dist=ranks is None)
-        except (Exception, CheckpointException) as error:
-            failures = dcp_failures(error)
-            if failures:  # DCP gathered every rank's error: each rank raises the same one
-                rank_failed, first = min(failures.items())
-                if isinstance(first, CheckpointError) and len(failures) == 1 and ranks is None:
-                    raise first from None
-                raise CheckpointWriteError(
-                    f"step {snap.step} was not saved: rank(s) {sorted(failures)} failed while writing their shards; "
-                    f"rank {rank_failed}: {type(first).__name__}: {first}") from first
-            if ranks is None or isinstance(error, CheckpointError):
-                raise
-            ranks.publish(f"{prefix}/files/{rank}", {"failed": f"{type(error).__name__}: {error}"[:2000]})
-            raise _lost_or_failed(ranks, prefix, snap.step, error) from error
-        with _hash_pool() as pool:
-            for name, chunks in snap.local_files.items():
-                entries[name] = write_hashed(writer, name, chunks, algorithm, pool)
-        vote = {"files": {n: [e.size_bytes, e.hash] for n, e in entries.items()},
-                "trees": hash_bytes(encode_json(snap.trees), "sha256"), "local": snap.local_digests}
-        if ranks is None:
-            votes = {0: vote}
-        else:
-            ranks.publish(f"{prefix}/files/{rank}", vote)
-        if rank != 0:
-            assert ranks is not None
-            # rank 0 waits up to the timeout for the last vote, then commits: wait for it twice as long
-            outcome = ranks.wait_one(f"{prefix}/outcome", f"commit step {snap.step}",
-                                     deadline() + ranks.timeout_s + 30.0)
-            ranks.publish(f"{prefix}/ack/{rank}", {})  # rank 0 may exit once every rank read the outcome
-            if "error" in outcome:
-                message = f"step {snap.step} was not saved: rank 0 reports: {outcome['error']}"
-                if outcome.get("missing"):
-                    raise RankLostError(message, outcome["missing"])
-                raise CheckpointWriteError(message)
-            return
-        try:
-            if ranks is not None:
-                votes = ranks.gather(f"{prefix}/files", f"finish writing step {snap.step}", deadline())
-            _commit(writer, snap, votes, world, algorithm, before_commit)
-        except BaseException as error:
-            if ranks is not None:
-                missing = getattr(error, "missing_ranks", [])
-                ranks.publish(f"{prefix}/outcome", {"error": str(error)[:4000], "missing": missing})
-                ranks.await_acks(f"{prefix}/ack", skip={0, *missing})
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+            dcp.save(snap.tensors, storage_writer=shard_writer, planner=planner,
+                     process_group=ranks.group if ranks is not None else None, no_dist=ranks is None)
+    except (Exception, CheckpointException) as error:
+        failures = dcp_failures(error)
+        if failures:  # DCP gathered every rank's error: each rank raises the same one
+            rank_failed, first = min(failures.items())
+            if isinstance(first, CheckpointError) and ranks is None:
+                raise first from None
+            raise _ReachedEveryRank(CheckpointWriteError(
+                f"step {snap.step} was not saved: rank(s) {sorted(failures)} failed while writing their shards; "
+                f"rank {rank_failed}: {type(first).__name__}: {first}")) from first
+        if ranks is None or isinstance(error, CheckpointError):
             raise
-        if ranks is not None:
-            ranks.publish(f"{prefix}/outcome", {"committed": snap.step})
-        after_commit()
-        if ranks is not None:
-            ranks.await_acks(f"{prefix}/ack", skip={0})
-    except BaseException:
-        if rank == 0:
-            writer.abort()
-        raise
+        ranks.publish(f"{prefix}/files/{rank}", {"failed": f"{type(error).__name__}: {error}"[:2000]})
+        raise _ReachedEveryRank(_lost_or_failed(ranks, prefix, snap.step, error)) from error
+    with _hash_pool() as pool:
+        for name, chunks in snap.local_files.items():
+            entries[name] = write_hashed(writer, name, chunks, algorithm, pool)
+    vote = {"files": {n: [e.size_bytes, e.hash] for n, e in entries.items()},
+            "trees": hash_bytes(encode_json(snap.trees), "sha256"), "local": snap.local_digests}
+    if ranks is not None:
+        ranks.publish(f"{prefix}/files/{rank}", vote)
+    return vote
+
+
+def _publish_failure(ranks: RankGroup, prefix: str, error: BaseException) -> None:
+    """Rank 0: tell the others the step failed (naming lost ranks), and wait until they read it."""
+    missing = getattr(error, "missing_ranks", [])
+    ranks.publish(f"{prefix}/outcome", {"error": f"{error}"[:4000], "missing": missing})
+    ranks.await_acks(f"{prefix}/ack", skip={0, *missing})
+
+
+def _await_outcome(ranks: RankGroup, prefix: str, step: int) -> None:
+    """A rank other than 0: wait for rank 0's outcome (rank 0 waits up to the timeout for the last vote, so
+    twice as long), acknowledge it, and raise rank 0's error if the step failed."""
+    outcome = ranks.wait_one(f"{prefix}/outcome", f"commit step {step}",
+                             time.monotonic() + 2 * ranks.timeout_s + 30.0)
+    ranks.publish(f"{prefix}/ack/{ranks.rank}", {})
+    if "error" in outcome:
+        message = f"step {step} was not saved: rank 0 reports: {outcome['error']}"
+        if outcome.get("missing"):
+            raise RankLostError(message, outcome["missing"])
+        raise CheckpointWriteError(message)
 
 
 def _hash_pool() -> Any:
