@@ -301,3 +301,36 @@ def failing_worker(rank: int, port: int, out_dir: str, world: int, directory: st
         result["steps"] = [info.step for info in ckpt.list() if info.valid]
     Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def policy_worker(rank: int, port: int, out_dir: str, world: int, directory: str, scenario: str) -> None:
+    """Ranks that must stay in step: ``"nan"``: rank 1 passes a NaN metric at step 1 only (its save fails before
+    writing), then both save steps 2 and 3; ``"async"``: async saves every step with ``save_on_preemption``
+    (``maybe_save`` agrees with the other ranks while the previous save is still writing). Records each step's
+    outcome."""
+    import time
+
+    join(rank, world, port)
+    model, optimizer = build("fsdp2", seed=0)
+    log: list[list[Any]] = []
+    options: dict[str, Any] = {"rank_timeout_s": 20.0, "capture_rng": False}
+    if scenario == "async":
+        options.update(async_save=True, save_every_steps=1, save_on_preemption=True, keep_last=2)
+    with Checkpointer(directory, **options) as ckpt:
+        for step in range(1, 13 if scenario == "async" else 4):
+            train_steps(model, optimizer, step, 1, rank)
+            time.sleep(0.003 * (step % 5) * rank)  # the ranks drift a little, as they do
+            start = time.monotonic()
+            try:
+                if scenario == "async":
+                    ckpt.maybe_save(step, model=model, optimizer=optimizer)
+                else:
+                    loss = float("nan") if (rank == 1 and step == 1) else 1.0
+                    ckpt.save(step, model=model, optimizer=optimizer, metrics={"loss": loss})
+                log.append([step, "ok", time.monotonic() - start])
+            except Exception as error:  # noqa: BLE001 (recorded for the test to judge)
+                log.append([step, f"{type(error).__name__}: {error}"[:300], time.monotonic() - start])
+        ckpt.wait()
+        steps = [info.step for info in ckpt.list() if info.valid]
+    Path(out_dir, f"{rank}.json").write_text(json.dumps({"log": log, "steps": steps}))
+    dist.destroy_process_group()

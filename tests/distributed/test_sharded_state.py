@@ -11,7 +11,7 @@ import torch
 
 from torchckpt import Checkpointer
 
-from .sharded_workers import restore_worker, save_worker
+from .sharded_workers import policy_worker, restore_worker, save_worker
 
 
 @pytest.fixture
@@ -178,3 +178,18 @@ def test_an_index_whose_chunks_miss_part_of_a_tensor_is_corrupt() -> None:
                 {"offsets": [0], "sizes": [2], "file": "s", "offset": 8, "length": 8, "blocks": ["x"]}]}}}
     with pytest.raises(CheckpointCorruptError, match="do not cover its \\[4\\] elements"):
         decode_index(json.dumps(body).encode(), "shards.json")
+
+
+def test_a_save_one_rank_cannot_start_fails_on_every_rank_and_the_next_ones_work(spawn_ranks, tmp_path) -> None:
+    results = spawn_ranks(policy_worker, 2, str(tmp_path / "ckpt"), "nan")
+    first = [result["log"][0] for result in results]
+    assert "another rank could not start it" in first[0][1] and "NaN" in first[1][1]
+    assert all(seconds < 5 for _, _, seconds in first)  # agreed at once, not after the 20 s timeout
+    assert [entry[1] for result in results for entry in result["log"][1:]] == ["ok"] * 4
+    assert results[0]["steps"] == [2, 3]
+
+
+def test_async_saves_with_agreed_policies_keep_the_ranks_in_step(spawn_ranks, tmp_path) -> None:
+    results = spawn_ranks(policy_worker, 2, str(tmp_path / "ckpt"), "async")
+    assert all(entry[1] == "ok" for result in results for entry in result["log"]), results
+    assert results[0]["steps"] == [11, 12]

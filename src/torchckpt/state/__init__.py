@@ -18,6 +18,8 @@ from torchckpt.state.errors import (
     UnsupportedStateError,
 )
 from torchckpt.state.interchange import export_model_weights, import_torch_save
+from torchckpt.state.rank_group import RankLostError
+from torchckpt.state.rank_local import ElasticResumeWarning
 from torchckpt.state.reader import load
 from torchckpt.state.retention import RetentionPolicy
 
@@ -33,6 +35,8 @@ __all__ = [
     "CheckpointWriteError",
     "Checkpointer",
     "CheckpointerConfig",
+    "ElasticResumeWarning",
+    "RankLostError",
     "RetentionPolicy",
     "UnsafeFileError",
     "UnsupportedStateError",

@@ -74,7 +74,7 @@ from torchckpt.state.preemption import PreemptionHandler, parse_signals
 from torchckpt.state.rank_group import RankGroup
 from torchckpt.state.reader import apply_snapshot, read_newest_valid
 from torchckpt.state.retention import apply_retention
-from torchckpt.state.sharded import snapshot_sharded, write_sharded
+from torchckpt.state.sharded import snapshot_sharded, start_together, write_sharded
 from torchckpt.state.sharded_restore import newest_is_sharded, restore_newest_sharded
 from torchckpt.state.snapshot import FileChunks, encode_snapshot
 from torchckpt.state.staging import HostStaging, changed_only_by_optimizer_steps
@@ -181,25 +181,24 @@ class Checkpointer:
     def _save(self, step: int, metrics: Mapping[str, object] | None, items: Mapping[str, Any],
               rng: dict[str, Any] | None = None) -> None:
         """Save ``step``; ``rng`` (the resume point's streams, preempt_points.py) replaces capturing them now."""
-        self.wait()  # [one save in flight]
-        check_step(step)
-        if rng is None and self.config.capture_rng:
-            rng = capture_rng()
-        self._resume_point = (step, metrics, items, rng)  # this step is complete (preempt_points.py)
-        check_step_free(self._storage, step, self._verify_for_existing)
-        checked_metrics = {
-            check_metric_name(name): metric_value(name, value) for name, value in (metrics or {}).items()
-        }
-        staging = self._staging if self.config.async_save else None  # [async saves copy before returning]
-        if self._sharded:
-            snap = snapshot_sharded(step, items, checked_metrics, rng, self._ranks, staging)
-            write: Callable[[], None] = lambda: write_sharded(  # noqa: E731
-                self._storage, self._ranks, snap, self.config.hash_algorithm,
-                before_commit=lambda: abandon_newer_steps(self._storage, step),
-                after_commit=lambda: apply_retention(self._storage, self.config.retention))
-        else:
-            files = self._snapshot(step, items, checked_metrics, rng)
-            write = lambda: self._write(step, files, checked_metrics)  # noqa: E731
+        def prepare() -> tuple[Callable[[], None], Any, dict[str, float]]:
+            self.wait()  # [one save in flight]
+            check_step(step)
+            streams = capture_rng() if rng is None and self.config.capture_rng else rng
+            self._resume_point = (step, metrics, items, streams)  # this step is complete (preempt_points.py)
+            check_step_free(self._storage, step, self._verify_for_existing)
+            checked = {check_metric_name(name): metric_value(name, value) for name, value in (metrics or {}).items()}
+            staging = self._staging if self.config.async_save else None  # [async saves copy before returning]
+            if self._sharded:
+                snap, store, retention = snapshot_sharded(step, items, checked, streams, self._ranks, staging), \
+                    self._storage, self.config.retention
+                return (lambda: write_sharded(store, self._ranks, snap, self.config.hash_algorithm,
+                                              before_commit=lambda: abandon_newer_steps(store, step),
+                                              after_commit=lambda: apply_retention(store, retention))), None, checked
+            files = self._snapshot(step, items, checked, streams)
+            return (lambda: self._write(step, files, checked)), files, checked
+
+        write, files, checked_metrics = start_together(self._ranks if self._sharded else None, step, prepare)
         if self.config.async_staging and self._staging.deferred_count:
             self._staged = threading.Event()
             self._step_guard = register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -384,8 +383,7 @@ class Checkpointer:
         fallback = self.config.fallback if fallback is None else fallback
         rng_mode = rng if rng is not None else (None if self.config.capture_rng else False)
         if self._sharded or newest_is_sharded(self._storage, step):
-            restored = restore_newest_sharded(self._storage, self._ranks, step, fallback, items, rng_mode,
-                                              self.config.verify)
+            restored = restore_newest_sharded(self._storage, self._ranks, step, fallback, items, rng_mode, verify)
             if restored is not None:
                 self._last_step = restored
             return restored

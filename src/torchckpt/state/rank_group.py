@@ -58,35 +58,50 @@ class RankGroup:
     world_size: int
     timeout_s: float
     _group: Any = None
+    _control: Any = None
     _store: Any = None
     _session: str | None = None
     _count: int = 0
 
     @classmethod
     def current(cls, timeout_s: float) -> RankGroup | None:
-        """The ranks of the initialised default process group, or None without one."""
+        """The ranks of the initialised default process group (its groups built: a collective, so every rank
+        calls it), or None without one."""
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), timeout_s=timeout_s)
+        ranks = cls(rank=dist.get_rank(), world_size=dist.get_world_size(), timeout_s=timeout_s)
+        ranks._connect()
+        return ranks
+
+    def _connect(self) -> None:
+        """Two gloo groups (DCP's collectives, which an async save runs in its thread; and the agreements the
+        caller's thread makes meanwhile), the store, a session id and rank 0's timeout for every rank."""
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        try:
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+            self._control = dist.new_group(backend="gloo", timeout=timeout)
+        except RuntimeError as error:  # a store timeout: not every rank built a Checkpointer
+            raise RankLostError(
+                f"rank {self.rank}: building the Checkpointer's process groups failed ({str(error)[:300]}): with a "
+                "process group initialised, every rank must build the Checkpointer (and call save and restore "
+                "alike) to write sharded checkpoints. Fix: build it on every rank, or pass sharded=False to save "
+                "whole tensors from one rank.", []) from error
+        self._store = dist.distributed_c10d._get_default_store()
+        token = torch.zeros(64, dtype=torch.uint8)
+        if self.rank == 0:
+            text = f"{uuid.uuid4().hex}|{self.timeout_s!r}".encode().ljust(64)
+            token.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
+        self._collective("agree on a session id", lambda: dist.broadcast(token, src=0, group=self._control))
+        session, timeout_text = bytes(token.tolist()).decode().strip().split("|")
+        self._session, self.timeout_s = session, float(timeout_text)  # rank 0's timeout: every rank waits alike
 
     @property
     def group(self) -> Any:
-        """A gloo group over every rank whose collectives time out after ``timeout_s`` ([no rank waits forever]).
-
-        Built by the first sharded save or restore (every rank calls it then: it is a collective)."""
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
-            self._store = dist.distributed_c10d._get_default_store()
-            token = torch.zeros(32, dtype=torch.uint8)
-            if self.rank == 0:
-                token.copy_(torch.frombuffer(bytearray(uuid.uuid4().hex.encode()), dtype=torch.uint8))
-            self._collective("agree on a session id", lambda: dist.broadcast(token, src=0, group=self._group))
-            self._session = bytes(token.tolist()).decode()
+        """The gloo group of DCP's collectives; they time out after ``timeout_s`` ([no rank waits forever])."""
         return self._group
 
     def next_prefix(self, what: str) -> str:
         """Store key prefix of the next sharded operation (every rank counts the same operations)."""
-        _ = self.group
         self._count += 1
         return f"torchckpt/{self._session}/{self._count}/{what}"
 
@@ -104,7 +119,7 @@ class RankGroup:
     def agree_all(self, codes: list[int], what: str) -> list[int]:
         """Element-wise the largest of ``codes`` over every rank (one collective with the timeout)."""
         value = torch.tensor(codes, dtype=torch.int64)
-        self._collective(what, lambda: dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group))
+        self._collective(what, lambda: dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._control))
         return [int(v) for v in value.tolist()]
 
     def publish(self, key: str, value: dict[str, Any]) -> None:
@@ -112,9 +127,7 @@ class RankGroup:
         try:
             self._store.set(key, json.dumps(value))
         except RuntimeError as error:  # the store lived in a process that is gone (rank 0 with mp.spawn)
-            raise RankLostError(f"rank {self.rank}: the process group's store is unreachable ({error}); rank 0 "
-                                "(or the launcher that held the store) is gone. No step was committed.",
-                                [0]) from error
+            raise _store_gone(self.rank, 0, error) from error
 
     def gather(self, prefix: str, what: str, deadline: float) -> dict[int, dict[str, Any]]:
         """Every rank's value under ``prefix/R``, or :class:`RankLostError` naming the ranks missing at
@@ -160,9 +173,14 @@ class RankGroup:
         try:
             return bool(self._store.check([key]))
         except RuntimeError as error:  # the store lived in a process that is gone (rank 0 with mp.spawn)
-            raise RankLostError(f"rank {self.rank}: the process group's store is unreachable ({error}); rank "
-                                f"{owner} (or the launcher that held the store) is gone. No step was committed.",
-                                [owner]) from error
+            raise _store_gone(self.rank, owner, error) from error
+
+
+def _store_gone(rank: int, owner: int, error: BaseException) -> RankLostError:
+    return RankLostError(
+        f"rank {rank}: the process group's store is unreachable ({str(error).splitlines()[0][:300]}); rank {owner} "
+        "(or the launcher that held the store) is gone. The save or restore did not complete on this rank; a "
+        "restart restores the newest committed step.", [owner])
 
 
 def dcp_failures(error: BaseException) -> dict[int, BaseException]:

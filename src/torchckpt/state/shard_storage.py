@@ -52,7 +52,7 @@ from torch.futures import Future
 
 from torchckpt.state.codec import SAFETENSORS_DTYPES, safetensors_chunks
 from torchckpt.state.errors import CheckpointCorruptError, UnsupportedStateError
-from torchckpt.state.format import FileEntry, hash_bytes
+from torchckpt.state.format import HASH_ALGORITHMS, FileEntry, hash_bytes
 from torchckpt.state.hashed_write import write_hashed
 from torchckpt.state.storage import StepWriter
 
@@ -270,6 +270,8 @@ def decode_index(data: bytes, source: str) -> tuple[Metadata, dict[str, ChunkLoc
             raise ValueError(f"format {body['format']!r} version {body['format_version']!r}")
         if body["block_bytes"] != BLOCK_BYTES:
             raise ValueError(f"block_bytes {body['block_bytes']!r}; expected {BLOCK_BYTES}")
+        if body["hash_algorithm"] not in HASH_ALGORITHMS:
+            raise ValueError(f"hash_algorithm {body['hash_algorithm']!r} is not one of {sorted(HASH_ALGORITHMS)}")
         state_dict_metadata: dict[str, Any] = {}
         locations: dict[str, ChunkLocation] = {}
         for fqn, info in body["tensors"].items():
@@ -291,7 +293,7 @@ def decode_index(data: bytes, source: str) -> tuple[Metadata, dict[str, ChunkLoc
                 locations[chunk_key(fqn, offsets)] = ChunkLocation(
                     file=chunk["file"], offset=chunk["offset"], length=length, blocks=blocks)
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
-            if sum(math.prod(chunk.sizes) for chunk in chunks) != math.prod(size):
+            if sum(math.prod(chunk.sizes) for chunk in chunks) != math.prod(size) or _overlap(chunks):
                 raise ValueError(f"the chunks of {fqn!r} do not cover its {list(size)} elements exactly once")
             properties = TensorProperties(dtype=_DTYPES_BY_NAME[info["dtype"]],
                                           requires_grad=info["requires_grad"] is True)
@@ -299,9 +301,28 @@ def decode_index(data: bytes, source: str) -> tuple[Metadata, dict[str, ChunkLoc
                                                              chunks=chunks)
         metadata = Metadata(state_dict_metadata=state_dict_metadata, version=body.get("dcp_version"))
         return metadata, locations
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:
-        problem = f"malformed index ({error!r})"
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as error:
+        problem = f"malformed index ({type(error).__name__}: {str(error)[:300]})"
         raise CheckpointCorruptError(f"{source}: {problem}", {source: problem}) from None
+
+
+def _overlap(chunks: list[ChunkStorageMetadata]) -> bool:
+    """Whether two chunks share an element: a sweep along the first dimension, each chunk compared only with
+    the chunks still open where it starts (DCP's writers shard along one dimension: linear in practice)."""
+    if not chunks or not chunks[0].offsets:
+        return len(chunks) > 1  # a 0-d tensor has one chunk
+    ordered = sorted(chunks, key=lambda chunk: chunk.offsets[0])
+    open_chunks: list[ChunkStorageMetadata] = []
+    for chunk in ordered:
+        start = chunk.offsets[0]
+        open_chunks = [other for other in open_chunks if other.offsets[0] + other.sizes[0] > start]
+        for other in open_chunks:
+            if all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in
+                   zip(chunk.offsets, chunk.sizes, other.offsets, other.sizes)):
+                return True
+        if chunk.sizes[0] > 0:
+            open_chunks.append(chunk)
+    return False
 
 
 def _is_count(value: object) -> bool:
@@ -344,8 +365,8 @@ class ShardReader(StorageReader):
     def __init__(self, index: bytes, read_range: RangeReader, *, source: str) -> None:
         super().__init__()
         self._source = source
-        self.metadata, self._locations = decode_index(index, f"{source}/{INDEX_NAME}")
-        self._algorithm = json.loads(index)["hash_algorithm"]
+        self.metadata, self.locations = decode_index(index, f"{source}/{INDEX_NAME}")
+        self._algorithm = json.loads(index)["hash_algorithm"]  # checked by decode_index
         self._read_range = read_range
         self.bytes_read = 0
 
@@ -387,7 +408,7 @@ class ShardReader(StorageReader):
         fqn = item.storage_index.fqn
         md = self.metadata.state_dict_metadata[fqn]
         offsets = tuple(item.storage_index.offset or ())
-        location = self._locations[chunk_key(fqn, offsets)]
+        location = self.locations[chunk_key(fqn, offsets)]
         chunk = next(c for c in md.chunks if tuple(c.offsets) == offsets)  # type: ignore[union-attr]
         dtype = md.properties.dtype  # type: ignore[union-attr]
         sizes, part_at, lengths = list(chunk.sizes), list(item.storage_offsets), list(item.lengths)

@@ -23,13 +23,13 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchckpt._host import local_part
-from torchckpt.state.capture import capture_item
+from torchckpt.state.capture import capture_item, check_item_name
 from torchckpt.state.codec import encode_json, split_tensors
 from torchckpt.state.errors import CheckpointError, CheckpointWriteError
 from torchckpt.state.format import STATE_NAME, FileEntry, Manifest, encode_manifest, hash_bytes
@@ -39,6 +39,8 @@ from torchckpt.state.shard_storage import ShardWriter, write_hashed_bytes
 from torchckpt.state.snapshot import encode_snapshot
 from torchckpt.state.staging import HostStaging
 from torchckpt.state.storage import StepWriter, Storage
+
+_T = TypeVar("_T")
 
 # ----- items ---------------------------------------------------------------------------------------
 
@@ -81,19 +83,45 @@ def pair_optimizers(items: Mapping[str, Any]) -> dict[str, str]:
     return pairs
 
 
-def live_state(name: str, obj: Any, items: Mapping[str, Any], pairs: Mapping[str, str]) -> Any:
+def live_state(name: str, obj: Any, items: Mapping[str, Any], pairs: Mapping[str, str],
+               keep_initialised: bool = False) -> Any:
     """The state dict DCP's ``state_dict`` API gives for item ``name``: keys are parameter names (no DDP
     ``module.`` prefix), FSDP2's tensors stay DTensors; an optimizer's state is keyed by its model's names.
+
+    For an optimizer that has no state yet, DCP first takes an optimizer step with zero gradients and learning
+    rate 0 to create it; that state is undone (training goes on as if nothing happened) and an empty state is
+    returned, unless ``keep_initialised`` (a restore uses its tensors as the shapes to read into).
 
     Example:
         >>> sorted(live_state("model", torch.nn.Linear(1, 1), {}, {}))
         ['bias', 'weight']
+        >>> model = torch.nn.Linear(1, 1); adam = torch.optim.Adam(model.parameters())
+        >>> live_state("adam", adam, {"model": model}, {"adam": "model"})["state"], len(adam.state)
+        ({}, 0)
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    if isinstance(obj, torch.optim.Optimizer):
-        return get_optimizer_state_dict(items[pairs[name]], obj)
-    return get_model_state_dict(obj)
+    if not isinstance(obj, torch.optim.Optimizer):
+        return get_model_state_dict(obj)
+    fresh, count = not obj.state, getattr(obj, "_step_count", None)  # LR schedulers count optimizer steps
+    state = get_optimizer_state_dict(items[pairs[name]], obj)
+    if fresh and not keep_initialised:
+        forget_initialised_state(obj, count)
+        state["state"] = {}
+    return state
+
+
+def forget_initialised_state(optimizer: torch.optim.Optimizer, step_count: int | None) -> None:
+    """Undo the state DCP created on an optimizer that had none (its zero-gradient, zero-learning-rate step).
+
+    Example:
+        >>> adam = torch.optim.Adam(torch.nn.Linear(1, 1).parameters()); adam.state[0] = {"step": 1}
+        >>> forget_initialised_state(adam, None); len(adam.state)
+        0
+    """
+    optimizer.state.clear()
+    if step_count is not None:
+        optimizer._step_count = step_count  # type: ignore[attr-defined]
 
 
 def _digest(tree: Any, tensors: Mapping[str, torch.Tensor]) -> str:
@@ -132,6 +160,7 @@ def snapshot_sharded(step: int, items: Mapping[str, Any], metrics: Mapping[str, 
     tensors: dict[str, torch.Tensor] = {}
     trees, kinds, local = {}, {}, {}
     for name, obj in items.items():
+        check_item_name(name)
         if is_sharded_item(obj):
             tree, item_tensors = split_tensors(live_state(name, obj, items, pairs), name, sharded=True)
             trees[name] = tree
@@ -168,6 +197,34 @@ def _staged(tensors: Mapping[str, torch.Tensor], staging: HostStaging) -> dict[s
     return staged
 
 
+def start_together(ranks: RankGroup | None, step: object, prepare: Callable[[], _T]) -> _T:
+    """Run this rank's checks and snapshot of ``step`` (``prepare``); with several ranks, every rank then
+    learns whether any rank failed or passed another step, and all raise together, so that no rank waits
+    for a save the others never start.
+
+    Example:
+        >>> start_together(None, 3, lambda: "prepared")
+        'prepared'
+    """
+    if ranks is None or ranks.world_size == 1:
+        return prepare()
+    number = step if type(step) is int else -1
+    try:
+        result, problem = prepare(), None
+    except BaseException as error:  # reported to the others first, then raised
+        result, problem = None, error
+    failed, highest, lowest = ranks.agree_all([int(problem is not None), number, -number], f"agree on step {step}")
+    if problem is not None:
+        raise problem
+    if highest != -lowest:
+        raise CheckpointError(f"the ranks passed different steps to save (from {-lowest} to {highest}); every "
+                              "rank must save the same step. Nothing was saved.")
+    if failed:
+        raise CheckpointWriteError(f"step {step} was not saved: another rank could not start it (its error is in "
+                                   "its log); nothing was written.")
+    return result  # type: ignore[return-value]
+
+
 # ----- writing -------------------------------------------------------------------------------------
 
 
@@ -180,7 +237,13 @@ def write_sharded(storage: Storage, ranks: RankGroup | None, snap: ShardedSnapsh
     carries it to the others. Rank 0 removes the temp directory of a step that was not committed."""
     rank = ranks.rank if ranks is not None else 0
     prefix = ranks.next_prefix(f"save-{snap.step}") if ranks is not None else ""
-    writer = _open_step(storage, ranks, prefix, snap.step)
+    try:
+        writer = _open_step(storage, ranks, prefix, snap.step)
+    except BaseException as error:  # a rank that cannot join votes so: rank 0 need not wait for the timeout
+        if ranks is not None and rank != 0 and not isinstance(error, RankLostError):
+            ranks.publish(f"{prefix}/files/{rank}", {"failed": f"{type(error).__name__}: {error}"[:2000]})
+            ranks.publish(f"{prefix}/ack/{rank}", {})
+        raise
     try:
         try:
             vote = _write_part(writer, ranks, prefix, snap, algorithm)
@@ -314,9 +377,11 @@ def _lost_or_failed(ranks: RankGroup, prefix: str, step: int, error: BaseExcepti
     grace = time.monotonic() + min(ranks.timeout_s, 10.0)
     missing: list[int] = []
     try:
-        ranks.gather(f"{prefix}/files", f"finish writing step {step}", grace)
-        result: CheckpointError = CheckpointWriteError(
-            f"step {step} was not saved: a rank failed while writing its shards: {error}")
+        votes = ranks.gather(f"{prefix}/files", f"finish writing step {step}", grace)
+        failed = {rank: vote["failed"] for rank, vote in votes.items() if "failed" in vote and rank != ranks.rank}
+        reason = (f"rank(s) {sorted(failed)} failed: {failed[min(failed)]}" if failed else
+                  f"a rank failed while writing its shards: {str(error).splitlines()[0][:300]}")
+        result: CheckpointError = CheckpointWriteError(f"step {step} was not saved: {reason}")
     except RankLostError as lost:
         missing = lost.missing_ranks
         result = RankLostError(f"step {step} was not saved: {lost} (the exchange of shards failed on rank "

@@ -5,12 +5,7 @@ DCP's load planner finds the saved chunks that overlap each rank's new ones.
 
 Rules kept here (named in ``docs/design.md``; the design notes they keep in parentheses):
 
-1. **[the rank-local rule]** Restoring on the world size that saved: each rank gets its own rank-local
-   items and RNG streams (bit-exact). On another world size: a rank-local item saved identically by every
-   rank (a scheduler, an epoch counter) is restored on every rank; a data loader or sampler is not (its
-   position is per rank: the loader starts its epoch again) and neither is an item whose ranks differed;
-   RNG streams are not restored (each rank keeps its own); one warning names each such item.
-2. **[restore loads into copies]** (capture.py's [no half restore]) DCP loads into fresh tensors shaped
+1. **[restore loads into copies]** (capture.py's [no half restore]) DCP loads into fresh tensors shaped
    like the live ones; the live objects change only after every rank read and verified its part, and the
    ranks agree on the step: a step corrupt on one rank is skipped by all.
 """
@@ -30,11 +25,11 @@ from torchckpt.state.catalog import inspect_step, read_manifest
 from torchckpt.state.codec import decode_json, join_tensors, split_tensors
 from torchckpt.state.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, warn_fallback
 from torchckpt.state.format import STATE_NAME, Manifest, hash_bytes, step_dir_name
-from torchckpt.state.rank_group import RankGroup, RankLostError, dcp_failures, rank_prefix
+from torchckpt.state.rank_group import RankGroup, RankLostError, dcp_failures
+from torchckpt.state.rank_local import prepare_rank_local
 from torchckpt.state.reader import candidate_steps
 from torchckpt.state.shard_storage import INDEX_NAME, ShardReader
-from torchckpt.state.sharded import is_sharded_item, live_state, pair_optimizers
-from torchckpt.state.snapshot import decode_snapshot
+from torchckpt.state.sharded import forget_initialised_state, is_sharded_item, live_state, pair_optimizers
 from torchckpt.state.storage import Storage
 
 # ----- reading -------------------------------------------------------------------------------------
@@ -90,6 +85,7 @@ class PreparedRestore:
     states: dict[str, Any]
     pairs: dict[str, str]
     apply_local: Callable[[], None]
+    source: str
 
 
 def prepare_restore(step: ShardedStep, ranks: RankGroup | None, items: Mapping[str, Any],
@@ -126,26 +122,110 @@ def prepare_restore(step: ShardedStep, ranks: RankGroup | None, items: Mapping[s
             raise CheckpointMismatchError(f"{source}: optimizer {name!r} was saved with model "
                                           f"{sharded_meta[name].get('model')!r}, restored with {model!r}. Fix: pass "
                                           "the same names as the save call.")
-    targets: dict[str, torch.Tensor] = {}
     names = [name for name in items if name in sharded_meta]
+    fresh = {name: getattr(items[name], "_step_count", None) for name in names
+             if isinstance(items[name], torch.optim.Optimizer) and not items[name].state}
+    try:
+        states = _read_sharded_items(step, ranks, items, names, pairs, trees_saved, source)
+        local_items = {n: o for n, o in items.items() if n in local_meta}
+        apply_local = prepare_rank_local(step, rank, world, local_items, local_meta, rng)
+    except BaseException:
+        for name, count in fresh.items():  # the live optimizer as it was: DCP initialised its state to read it
+            forget_initialised_state(items[name], count)
+        raise
+    return PreparedRestore(states=states, pairs=pairs, apply_local=apply_local, source=source)
+
+
+def _read_sharded_items(step: ShardedStep, ranks: RankGroup | None, items: Mapping[str, Any], names: list[str],
+                        pairs: Mapping[str, str], trees_saved: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Each sharded item's saved state, its tensors read (through DCP) into copies shaped like the live ones;
+    the saved keys and parameter groups are checked against the live object's first."""
+    targets: dict[str, torch.Tensor] = {}
     for name in names:
-        _, live_tensors = split_tensors(live_state(name, items[name], items, pairs), name, sharded=True)
+        live = live_state(name, items[name], items, pairs, keep_initialised=True)
+        live_tree, live_tensors = split_tensors(live, name, sharded=True)
+        saved_keys = tensor_keys(trees_saved[name])
+        _check_keys(name, items[name], saved_keys, set(live_tensors), trees_saved[name], live_tree, source)
         # zeros, not empty: a part no saved chunk covers (a damaged index) reads as 0, never stale memory
-        targets.update({f"{name}.{key}": torch.zeros_like(t) for key, t in live_tensors.items()})
+        targets.update({f"{name}.{key}": torch.zeros_like(live_tensors[key]) for key in saved_keys})
     if targets:
         dcp_load(step, ranks, targets, source)
     states = {}
     for name in names:
         loaded = {key[len(name) + 1:]: t for key, t in targets.items() if key.startswith(name + ".")}
-        states[name] = join_tensors(trees_saved[name], loaded, source)
-    local_items = {n: o for n, o in items.items() if n in local_meta}
-    apply_local = _prepare_local(step, rank, world, local_items, local_meta, rng)
-    return PreparedRestore(states=states, pairs=pairs, apply_local=apply_local)
+        states[name] = state = join_tensors(trees_saved[name], loaded, source)
+        optimizer = isinstance(items[name], torch.optim.Optimizer)
+        well_formed = isinstance(state, dict) and (
+            isinstance(state.get("state"), dict) if optimizer else all(type(k) is str for k in state))
+        if not well_formed:
+            problem = f"the saved state of item {name!r} is not a {'optimizer' if optimizer else 'module'} state dict"
+            raise CheckpointCorruptError(f"{source}: {problem}", {source: problem})
+    return states
+
+
+def tensor_keys(tree: Any) -> set[str]:
+    """The tensor keys an encoded tree refers to (codec.py's tagged ``{"__torchckpt__": "tensor"}`` leaves).
+
+    Example:
+        >>> sorted(tensor_keys({"w": {"__torchckpt__": "tensor", "key": "w"}, "n": [1, {"lr": 0.1}]}))
+        ['w']
+    """
+    found: set[str] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if type(node) is dict:
+            if node.get("__torchckpt__") == "tensor" and type(node.get("key")) is str:
+                found.add(node["key"])
+            else:
+                stack.extend(node.values())
+        elif type(node) is list:
+            stack.extend(node)
+    return found
+
+
+def _check_keys(name: str, obj: Any, saved: set[str], live: set[str], saved_tree: Any, live_tree: Any,
+                source: str) -> None:
+    """A saved module must have the live module's keys; a saved optimizer its parameter groups (by parameter
+    name) and no state for a parameter the live one lacks."""
+    fix = "Fix: build the same model and optimizer (same parameter groups) as the run that saved it."
+    if isinstance(obj, torch.optim.Optimizer):
+        def groups(tree: Any) -> Any:
+            try:
+                return [group["params"] for group in tree["param_groups"]]
+            except (KeyError, TypeError, IndexError):
+                return None
+
+        saved_groups, live_groups = groups(saved_tree), groups(live_tree)
+        if saved_groups is None:
+            raise CheckpointCorruptError(f"{source}: optimizer {name!r} has no parameter groups",
+                                         {source: f"optimizer {name!r} has no parameter groups"})
+        if saved_groups != live_groups:
+            raise CheckpointMismatchError(
+                f"{source}: optimizer {name!r} was saved with {len(saved_groups)} parameter group(s) "
+                f"{_short(saved_groups)}; the live one has {len(live_groups or [])} {_short(live_groups)}. {fix}")
+        unexpected = sorted(saved - live)
+    else:  # a module: the saved entries (tensors and extra state alike) are exactly the live ones
+        if type(saved_tree) is not dict or type(live_tree) is not dict or "__torchckpt__" in saved_tree:
+            raise CheckpointCorruptError(f"{source}: the saved state of module {name!r} is not a state dict",
+                                         {source: f"the saved state of module {name!r} is not a state dict"})
+        unexpected = sorted(set(saved_tree) - set(live_tree))
+        missing = sorted(set(live_tree) - set(saved_tree))
+        if missing:
+            raise CheckpointMismatchError(f"{source}: item {name!r}: the checkpoint lacks key(s) {missing[:10]}. {fix}")
+    if unexpected:
+        raise CheckpointMismatchError(f"{source}: item {name!r}: the checkpoint has key(s) the live object lacks: "
+                                      f"{unexpected[:10]}. {fix}")
+
+
+def _short(groups: Any) -> str:
+    text = repr(groups)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def apply_restore(prepared: PreparedRestore, items: Mapping[str, Any]) -> None:
     """Load a prepared restore into the live objects: rank-local items and RNG streams, then models, then
-    optimizers.
+    optimizers (an optimizer saved with no state is left with none).
 
     Example:
         >>> apply_restore  # doctest: +ELLIPSIS
@@ -154,12 +234,23 @@ def apply_restore(prepared: PreparedRestore, items: Mapping[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     prepared.apply_local()
-    for name, state in prepared.states.items():
-        if not isinstance(items[name], torch.optim.Optimizer):
-            set_model_state_dict(items[name], state)
-    for name, state in prepared.states.items():
-        if isinstance(items[name], torch.optim.Optimizer):
-            set_optimizer_state_dict(items[prepared.pairs[name]], items[name], state)
+    for pass_optimizers in (False, True):
+        for name, state in prepared.states.items():
+            obj = items[name]
+            if isinstance(obj, torch.optim.Optimizer) != pass_optimizers:
+                continue
+            try:
+                if pass_optimizers:
+                    set_optimizer_state_dict(items[prepared.pairs[name]], obj, state)
+                    if not state.get("state"):
+                        forget_initialised_state(obj, getattr(obj, "_step_count", None))
+                else:
+                    set_model_state_dict(obj, state)
+            except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as error:
+                raise CheckpointMismatchError(
+                    f"{prepared.source}: item {name!r} ({type(obj).__qualname__}) refused the restored state: "
+                    f"{type(error).__name__}: {str(error)[:500]}. Fix: build the same model and optimizer as the "
+                    "run that saved it.") from error
 
 
 def shard_reader(step: ShardedStep) -> ShardReader:
@@ -187,7 +278,15 @@ def shard_reader(step: ShardedStep) -> ShardReader:
             raise CheckpointCorruptError(f"{path}: missing from the manifest", {path: "missing from the manifest"})
         return step.storage.read_range(step.entry, name, offset, length)
 
-    return ShardReader(index, read_range, source=step.storage.path_of(step.entry))
+    reader = ShardReader(index, read_range, source=step.storage.path_of(step.entry))
+    for key, where in reader.locations.items():  # every chunk inside a listed file: no size from the index
+        listed = step.manifest.files.get(where.file)  # can make a read or an allocation larger than the files
+        if listed is None or where.offset + where.length > listed.size_bytes:
+            path = step.storage.path_of(step.entry, INDEX_NAME)
+            problem = (f"chunk {key} lies outside {where.file} ({where.offset}+{where.length} bytes; the manifest "
+                       f"lists {listed.size_bytes if listed else 'no such file'})")
+            raise CheckpointCorruptError(f"{path}: {problem}", {path: problem})
+    return reader
 
 
 def dcp_load(step: ShardedStep, ranks: RankGroup | None, targets: dict[str, torch.Tensor], source: str,
@@ -252,53 +351,6 @@ def dcp_load(step: ShardedStep, ranks: RankGroup | None, targets: dict[str, torc
             raise RankLostError(f"restoring step {step.manifest.step}: another rank is gone or stuck ({error})",
                                 []) from error
         raise
-
-
-def _prepare_local(step: ShardedStep, rank: int, world: int, items: Mapping[str, Any],
-                   local_meta: Mapping[str, Any], rng: bool | None) -> Callable[[], None]:
-    """Read this rank's rank-local files (rank 0's on another world size) and return what applies them
-    ([the rank-local rule])."""
-    from torchckpt.state.reader import apply_snapshot, check_rng
-
-    saved_world = step.manifest.world_size or 1
-    same_world = world == saved_world
-    prefix = rank_prefix(rank if same_world else 0, saved_world)
-    files = {name[len(prefix):]: step.read_file(name) for name in step.manifest.files if name.startswith(prefix)}
-    path_of = lambda name: step.storage.path_of(step.entry, prefix + name)  # noqa: E731
-    snapshot = decode_snapshot(files, path_of, set(items))
-    if snapshot.rng is not None:
-        check_rng(snapshot.rng, path_of(STATE_NAME))
-    if rng and not same_world:
-        raise CheckpointMismatchError(
-            f"{step.storage.path_of(step.entry)}: saved by {saved_world} ranks, restored on {world}: RNG streams "
-            "are per rank and are not carried across a world-size change. Fix: pass rng=None (or False).")
-    chosen = dict(items)
-    notes = []
-    if not same_world:
-        for name in list(chosen):
-            meta = local_meta[name]
-            if meta.get("data_position") or not meta.get("same_on_every_rank"):
-                why = ("a data position, per rank: the loader starts its epoch again" if meta.get("data_position")
-                       else "its saved state differed between ranks")
-                notes.append(f"item {name!r} not restored ({why})")
-                del chosen[name]
-        if rng is not False and snapshot.rng is not None:
-            notes.append("RNG streams not restored (each rank keeps its own)")
-    streams = rng is not False and same_world and snapshot.rng is not None
-
-    def apply() -> None:
-        apply_snapshot(snapshot, chosen, streams, path_of(STATE_NAME))
-        if notes and rank == 0:
-            warnings.warn(
-                f"{step.storage.path_of(step.entry)} was saved by {saved_world} rank(s) and is restored on {world}: "
-                "models and optimizers are resharded exactly; rank-local state follows the rule in docs/state.md "
-                "(\"What changes with world size\"): " + "; ".join(notes) + ".", ElasticResumeWarning, stacklevel=4)
-
-    return apply
-
-
-class ElasticResumeWarning(UserWarning):
-    """A sharded step restored on a different world size: some rank-local state was not restored."""
 
 
 def newest_is_sharded(storage: Storage, step: int | None) -> bool:

@@ -10,7 +10,7 @@ Rules kept here (named in ``docs/design.md``):
 2. **[every rank saves its shard]** On several processes the job's Checkpointer writes sharded
    checkpoints (state/sharded.py): every rank takes part in each save and restore. Run again on the
    same number of processes, the job resumes bit-exactly; on another number, the model and AdamW are
-   resharded exactly and the data loader starts its epoch again (sharded.py's [the rank-local rule]).
+   resharded exactly and the data loader starts its epoch again (rank_local.py's [the rank-local rule]).
 3. **[rank 0 speaks for the run]** Every rank trains; only rank 0 prints, writes the run directory
    (``run.json``, ``plan.json``, ``losses.jsonl``, ``summary.json``) and reports figures over all
    ranks: the loss is the mean of the ranks' losses, the peak the largest rank's.
