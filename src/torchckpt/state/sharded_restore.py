@@ -146,8 +146,8 @@ def _read_sharded_items(step: ShardedStep, ranks: RankGroup | None, items: Mappi
         live_tree, live_tensors = split_tensors(live, name, sharded=True)
         saved_keys = tensor_keys(trees_saved[name])
         _check_keys(name, items[name], saved_keys, set(live_tensors), trees_saved[name], live_tree, source)
-        # zeros, not empty: a part no saved chunk covers (a damaged index) reads as 0, never stale memory
-        targets.update({f"{name}.{key}": torch.zeros_like(live_tensors[key]) for key in saved_keys})
+        # empty is safe: decode_index proved the saved chunks tile every tensor exactly (no gap, no overlap)
+        targets.update({f"{name}.{key}": torch.empty_like(live_tensors[key]) for key in saved_keys})
     if targets:
         dcp_load(step, ranks, targets, source)
     states = {}
