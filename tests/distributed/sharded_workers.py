@@ -334,3 +334,68 @@ def policy_worker(rank: int, port: int, out_dir: str, world: int, directory: str
         steps = [info.step for info in ckpt.list() if info.valid]
     Path(out_dir, f"{rank}.json").write_text(json.dumps({"log": log, "steps": steps}))
     dist.destroy_process_group()
+
+
+def build_outside(kind: str, mode: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model nobody here wrote, from a config: ``"peft-gpt2"`` (LoRA on GPT-2: frozen base, tied embeddings)
+    or ``"bert"`` (masked LM, decoder tied to the embeddings); FSDP2 per layer then root, DDP, or neither."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model: nn.Module
+    if kind == "bert":
+        config = transformers.BertConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4)
+        model = transformers.BertForMaskedLM(config)
+        layers = list(model.bert.encoder.layer)
+    else:
+        import peft
+
+        config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+        model = peft.get_peft_model(transformers.GPT2LMHeadModel(config),
+                                    peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+        layers = list(model.base_model.model.transformer.h)
+    if mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif mode == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    return model, optimizer
+
+
+def outside_worker(rank: int, port: int, out_dir: str, world: int, kind: str, mode: str, directory: str,
+                   phase: str) -> None:
+    """``phase`` "save": train 2 steps, save step 2, write the full state; "restore": restore into a differently
+    initialised model and compare its full state with the saved one (rank 0)."""
+    import safetensors.torch
+
+    join(rank, world, port)
+    model, optimizer = build_outside(kind, mode, seed=0 if phase == "save" else 1)
+    reference_path = os.path.join(directory, "..", "ref.safetensors")
+    result: dict[str, Any] = {}
+    if phase == "save":
+        for step in range(2):
+            ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(100 * step + rank))
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with Checkpointer(directory) as ckpt:
+            ckpt.save(2, model=model, optimizer=optimizer)
+        reference = full_state(model, optimizer)
+        if rank == 0:
+            safetensors.torch.save_file(reference, reference_path)
+    else:
+        with Checkpointer(directory) as ckpt:
+            result["step"] = ckpt.restore(model=model, optimizer=optimizer)
+        restored = full_state(model, optimizer)
+        if rank == 0:
+            reference = safetensors.torch.load_file(reference_path)
+            unequal = [key for key in reference if key in restored and not torch.equal(reference[key], restored[key])]
+            result.update(keys_equal=sorted(reference) == sorted(restored), compared=len(reference), unequal=unequal)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized():
+        dist.destroy_process_group()
