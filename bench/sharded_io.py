@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing
 import os
 import shlex
 import shutil
@@ -449,22 +448,10 @@ def _locate(sizes: list[int], at: int) -> tuple[int, int]:
 
 def run_ranks(worker: Any, world: int, cfg: dict[str, Any], deadline_s: float) -> list[dict[str, Any]]:
     """``worker(rank, port, out_dir, world, cfg)`` on ``world`` spawned processes; their records in rank order."""
-    from torchckpt.bench.distributed import free_port
+    from torchckpt.bench.distributed import spawn_processes
 
     with tempfile.TemporaryDirectory(prefix="sharded-io-ranks-") as out_dir:
-        context = multiprocessing.get_context("spawn")
-        port = free_port()
-        processes = [context.Process(target=worker, args=(rank, port, out_dir, world, cfg)) for rank in range(world)]
-        for process in processes:
-            process.start()
-        end = time.monotonic() + deadline_s
-        for process in processes:
-            process.join(max(0.0, end - time.monotonic()))
-        codes = [process.exitcode for process in processes]
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
+        codes = spawn_processes(worker, world, cfg, out_dir=out_dir, deadline_s=deadline_s)
         if codes != [0] * world:
             raise RuntimeError(f"{worker.__name__} on {world} ranks: exit codes {codes} (None: past {deadline_s} s)")
         return [json.loads(Path(out_dir, f"{rank}.json").read_text()) for rank in range(world)]

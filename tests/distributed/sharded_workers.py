@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchckpt import Checkpointer
+from torchckpt.bench.distributed import spawn_processes
 from torchckpt.state.codec import split_tensors
 
 WIDTH = 33  # odd: FSDP2 shards it unevenly on 2 and 4 ranks
@@ -204,31 +205,6 @@ def resume_worker(rank: int, port: int, out_dir: str, world: int, directory: str
     dist.destroy_process_group()
 
 
-def run_processes(worker: Any, world: int, *args: Any, out_dir: str, deadline_s: float) -> list[int | None]:
-    """``worker(rank, port, out_dir, world, *args)`` on ``world`` spawned processes that may die on their own
-    (torch.multiprocessing would kill the others); returns the exit codes (None: still running at the deadline,
-    then killed)."""
-    import multiprocessing
-    import time
-
-    from torchckpt.bench.distributed import free_port
-
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    processes = [context.Process(target=worker, args=(rank, port, out_dir, world, *args)) for rank in range(world)]
-    for process in processes:
-        process.start()
-    end = time.monotonic() + deadline_s
-    for process in processes:
-        process.join(max(0.0, end - time.monotonic()))
-    codes = [process.exitcode for process in processes]
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join()
-    return codes
-
-
 def dead_rank_trial(root: str, victim: int, point: str, timeout_s: float, world: int = 3) -> list[str]:
     """One trial: ``world`` ranks save step 1, rank ``victim`` is SIGKILLed at ``point`` of saving step 2, then a
     restarted job resumes. Returns the violations found (empty: the trial passed)."""
@@ -237,7 +213,7 @@ def dead_rank_trial(root: str, victim: int, point: str, timeout_s: float, world:
     os.makedirs(out)
     os.makedirs(resumed)
     problems = []
-    codes = run_processes(kill_worker, world, directory, victim, point, timeout_s, out_dir=out,
+    codes = spawn_processes(kill_worker, world, directory, victim, point, timeout_s, out_dir=out,
                           deadline_s=3 * timeout_s + 60)
     if codes[victim] != -9:
         problems.append(f"rank {victim} exited with {codes[victim]}, not SIGKILL")
@@ -258,7 +234,7 @@ def dead_rank_trial(root: str, victim: int, point: str, timeout_s: float, world:
     committed = sorted(p.name for p in Path(directory).glob("step-*"))
     if committed != ["step-000000001"]:
         problems.append(f"committed steps {committed}; expected only step-000000001")
-    codes = run_processes(resume_worker, world, directory, out_dir=resumed, deadline_s=120)
+    codes = spawn_processes(resume_worker, world, directory, out_dir=resumed, deadline_s=120)
     steps = [json.loads(Path(resumed, f"{r}.json").read_text())["step"] if Path(resumed, f"{r}.json").exists()
              else None for r in range(world)]
     if codes != [0] * world or steps != [1] * world:
@@ -283,14 +259,10 @@ def failing_worker(rank: int, port: int, out_dir: str, world: int, directory: st
     with Checkpointer(directory, rank_timeout_s=60.0) as ckpt:
         ckpt.save(1, model=model, optimizer=optimizer, extras={"rank": rank})
         if rank == failing:
-            original = sharded.write_hashed
+            def write_files_hashed(writer, files, algorithm):  # type: ignore[no-untyped-def]  # its rank-local files
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
-            def write_hashed(writer, name, chunks, algorithm, pool):  # type: ignore[no-untyped-def]
-                if name.startswith("rank-"):
-                    raise OSError(errno.ENOSPC, "No space left on device (injected)")
-                return original(writer, name, chunks, algorithm, pool)
-
-            sharded.write_hashed = write_hashed
+            sharded.write_files_hashed = write_files_hashed
         start = time.monotonic()
         try:
             ckpt.save(2, model=model, optimizer=optimizer, extras={"rank": rank})

@@ -67,7 +67,7 @@ from torchckpt.state.errors import (
     CheckpointError,
 )
 from torchckpt.state.format import Manifest, encode_manifest, metric_value, step_dir_name
-from torchckpt.state.hashed_write import write_hashed
+from torchckpt.state.hashed_write import write_files_hashed
 from torchckpt.state.lifecycle import releaser, track
 from torchckpt.state.preempt_points import on_request_for
 from torchckpt.state.preemption import PreemptionHandler, parse_signals
@@ -310,10 +310,7 @@ class Checkpointer:
         algorithm = self.config.hash_algorithm
         writer = self._storage.begin_step(step)
         try:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchckpt-hash") as hash_thread:
-                entries = {
-                    name: write_hashed(writer, name, chunks, algorithm, hash_thread) for name, chunks in files.items()
-                }
+            entries = write_files_hashed(writer, files, algorithm)
             manifest = Manifest(
                 step=step, created_unix_s=time.time(), hash_algorithm=algorithm, files=entries, metrics=metrics
             )

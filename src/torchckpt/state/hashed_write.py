@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from torchckpt.state.format import FileEntry, new_hasher
@@ -37,3 +37,29 @@ def write_hashed(
     for update in updates:
         update.result()
     return FileEntry(size_bytes=size_bytes, hash=hasher.hexdigest())
+
+
+def hash_thread() -> ThreadPoolExecutor:
+    """The one thread that hashes a save's pieces while they are written (use it as a context manager).
+
+    Example:
+        >>> with hash_thread() as pool:
+        ...     pool.submit(sum, [1, 2]).result()
+        3
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchckpt-hash")
+
+
+def write_files_hashed(writer: StepWriter, files: Mapping[str, FileChunks], algorithm: str) -> dict[str, FileEntry]:
+    """Write every file of ``files`` in order, each hashed on the way; returns their manifest entries.
+
+    Example:
+        >>> import tempfile
+        >>> from torchckpt.state.storage import open_storage
+        >>> tmp = tempfile.TemporaryDirectory(); writer = open_storage(tmp.name).begin_step(1)
+        >>> sorted(write_files_hashed(writer, {"a.json": [b"{}"], "b.json": [b"[]"]}, "crc32"))
+        ['a.json', 'b.json']
+        >>> writer.abort(); tmp.cleanup()
+    """
+    with hash_thread() as pool:
+        return {name: write_hashed(writer, name, chunks, algorithm, pool) for name, chunks in files.items()}

@@ -24,8 +24,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from torchckpt.state.errors import CheckpointWriteError
 
-DEFAULT_RANK_TIMEOUT_S = 300.0
-
 
 class RankLostError(CheckpointWriteError):
     """Some ranks did not take their part in a sharded save or restore within the timeout (dead or stuck)."""

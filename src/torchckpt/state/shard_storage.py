@@ -27,7 +27,6 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +52,7 @@ from torch.futures import Future
 from torchckpt.state.codec import SAFETENSORS_DTYPES, safetensors_chunks
 from torchckpt.state.errors import CheckpointCorruptError, UnsupportedStateError
 from torchckpt.state.format import HASH_ALGORITHMS, FileEntry, hash_bytes
-from torchckpt.state.hashed_write import write_hashed
+from torchckpt.state.hashed_write import hash_thread, write_hashed
 from torchckpt.state.storage import StepWriter
 
 INDEX_NAME = "shards.json"
@@ -165,9 +164,9 @@ class ShardWriter(StorageWriter):
         chunks = safetensors_chunks(tensors)
         header = json.loads(bytes(chunks[0][8:]))
         base = len(chunks[0])
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchckpt-hash") as hash_thread:
-            blocks = {key: hash_thread.submit(block_hashes, tensors[key], self._algorithm) for key in tensors}
-            entry = write_hashed(self._writer, name, chunks, self._algorithm, hash_thread)
+        with hash_thread() as pool:
+            blocks = {key: pool.submit(block_hashes, tensors[key], self._algorithm) for key in tensors}
+            entry = write_hashed(self._writer, name, chunks, self._algorithm, pool)
             results = []
             for key, item in items.items():
                 start, end = header[key]["data_offsets"]

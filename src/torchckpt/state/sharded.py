@@ -33,7 +33,7 @@ from torchckpt.state.capture import capture_item, check_item_name
 from torchckpt.state.codec import encode_json, split_tensors
 from torchckpt.state.errors import CheckpointError, CheckpointWriteError
 from torchckpt.state.format import STATE_NAME, FileEntry, Manifest, encode_manifest, hash_bytes
-from torchckpt.state.hashed_write import write_hashed
+from torchckpt.state.hashed_write import write_files_hashed
 from torchckpt.state.rank_group import RankGroup, RankLostError, dcp_failures, rank_prefix
 from torchckpt.state.shard_storage import ShardWriter, write_hashed_bytes
 from torchckpt.state.snapshot import encode_snapshot
@@ -241,7 +241,7 @@ def write_sharded(storage: Storage, ranks: RankGroup | None, snap: ShardedSnapsh
         writer = _open_step(storage, ranks, prefix, snap.step)
     except BaseException as error:  # a rank that cannot join votes so: rank 0 need not wait for the timeout
         if ranks is not None and rank != 0 and not isinstance(error, RankLostError):
-            ranks.publish(f"{prefix}/files/{rank}", {"failed": f"{type(error).__name__}: {error}"[:2000]})
+            _vote_failed(ranks, prefix, error)
             ranks.publish(f"{prefix}/ack/{rank}", {})
         raise
     try:
@@ -251,7 +251,7 @@ def write_sharded(storage: Storage, ranks: RankGroup | None, snap: ShardedSnapsh
             raise
         except BaseException as error:  # this rank alone failed: vote so, so nobody waits for the timeout
             if ranks is not None:
-                ranks.publish(f"{prefix}/files/{rank}", {"failed": f"{type(error).__name__}: {error}"[:2000]})
+                _vote_failed(ranks, prefix, error)
                 if rank == 0:
                     _publish_failure(ranks, prefix, error)
                 else:
@@ -333,16 +333,19 @@ def _write_part(writer: StepWriter, ranks: RankGroup | None, prefix: str, snap: 
                 f"rank {rank_failed}: {type(first).__name__}: {first}")) from first
         if ranks is None or isinstance(error, CheckpointError):
             raise
-        ranks.publish(f"{prefix}/files/{rank}", {"failed": f"{type(error).__name__}: {error}"[:2000]})
+        _vote_failed(ranks, prefix, error)
         raise _ReachedEveryRank(_lost_or_failed(ranks, prefix, snap.step, error)) from error
-    with _hash_pool() as pool:
-        for name, chunks in snap.local_files.items():
-            entries[name] = write_hashed(writer, name, chunks, algorithm, pool)
+    entries.update(write_files_hashed(writer, snap.local_files, algorithm))
     vote = {"files": {n: [e.size_bytes, e.hash] for n, e in entries.items()},
             "trees": hash_bytes(encode_json(snap.trees), "sha256"), "local": snap.local_digests}
     if ranks is not None:
         ranks.publish(f"{prefix}/files/{rank}", vote)
     return vote
+
+
+def _vote_failed(ranks: RankGroup, prefix: str, error: BaseException) -> None:
+    """This rank's vote that it failed (with why), so that rank 0 need not wait for the timeout."""
+    ranks.publish(f"{prefix}/files/{ranks.rank}", {"failed": f"{type(error).__name__}: {error}"[:2000]})
 
 
 def _publish_failure(ranks: RankGroup, prefix: str, error: BaseException) -> None:
@@ -363,12 +366,6 @@ def _await_outcome(ranks: RankGroup, prefix: str, step: int) -> None:
         if outcome.get("missing"):
             raise RankLostError(message, outcome["missing"])
         raise CheckpointWriteError(message)
-
-
-def _hash_pool() -> Any:
-    from concurrent.futures import ThreadPoolExecutor
-
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchckpt-hash")
 
 
 def _lost_or_failed(ranks: RankGroup, prefix: str, step: int, error: BaseException) -> CheckpointError:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +42,8 @@ class ShardedStep:
     storage: Storage
     manifest: Manifest
     state: dict[str, Any]
+    sharded_items: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> kind, model, tree
+    local_items: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> same_on_every_rank, ...
 
     @property
     def entry(self) -> str:
@@ -63,18 +65,26 @@ class ShardedStep:
 
 
 def open_sharded(storage: Storage, manifest: Manifest) -> ShardedStep:
-    """Read and check ``state.json`` of a committed sharded step.
+    """Read and check ``state.json`` of a committed sharded step: its step and world size match the manifest,
+    and each item is described by an object (a sharded item's with its kind and tree).
 
     Example:
         >>> open_sharded  # doctest: +ELLIPSIS
         <function open_sharded at ...>
     """
     step = ShardedStep(storage, manifest, {})
-    state = decode_json(step.read_file(STATE_NAME), storage.path_of(step.entry, STATE_NAME))
     path = storage.path_of(step.entry, STATE_NAME)
+    state = decode_json(step.read_file(STATE_NAME), path)
     if type(state) is not dict or state.get("world_size") != manifest.world_size or state.get("step") != manifest.step:
         raise CheckpointCorruptError(f"{path}: does not match its manifest", {path: "does not match its manifest"})
-    step.state = state
+    try:
+        sharded, local = dict(state["sharded_items"]), dict(state["local_items"])
+        if not all(type(meta) is dict and "tree" in meta and "kind" in meta for meta in sharded.values()) or not all(
+                type(meta) is dict for meta in local.values()):
+            raise ValueError("an item is not described by an object with its kind and tree")
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointCorruptError(f"{path}: malformed ({error!r})", {path: "malformed"}) from None
+    step.state, step.sharded_items, step.local_items = state, sharded, local
     return step
 
 
@@ -98,12 +108,8 @@ def prepare_restore(step: ShardedStep, ranks: RankGroup | None, items: Mapping[s
     """
     rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     source = step.storage.path_of(step.entry, STATE_NAME)
-    try:
-        sharded_meta: dict[str, Any] = dict(step.state["sharded_items"])
-        local_meta: dict[str, Any] = dict(step.state["local_items"])
-        trees_saved = {name: meta["tree"] for name, meta in sharded_meta.items()}
-    except (KeyError, TypeError, ValueError) as error:
-        raise CheckpointCorruptError(f"{source}: malformed ({error!r})", {source: "malformed"}) from None
+    sharded_meta, local_meta = step.sharded_items, step.local_items
+    trees_saved = {name: meta["tree"] for name, meta in sharded_meta.items()}
     missing = [name for name in items if name not in sharded_meta and name not in local_meta]
     if missing:
         raise CheckpointMismatchError(
