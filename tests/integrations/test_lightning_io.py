@@ -288,7 +288,7 @@ if not first:
     io.save_checkpoint({"global_step": 5, "state_dict": {"w": torch.full((3,), 5.0)}}, path)
 def kill(*args, **kwargs):  # the step's temp directory exists, its files are being written
     os.kill(os.getpid(), signal.SIGKILL)
-checkpointer.write_hashed = kill
+checkpointer.write_files_hashed = kill
 io.save_checkpoint({"global_step": 10, "state_dict": {"w": torch.full((3,), 10.0)}}, path)
 """
 
