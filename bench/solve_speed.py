@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
+from torchckpt.planner.costs import BlockCosts, OpCosts
+from torchckpt.planner.from_costs import ChainCosts
 from torchckpt.planner.solve import Region, Single, evaluate, floor_bytes, solve
 
 MIB = 2**20

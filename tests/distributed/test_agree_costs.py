@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import os
 
-from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
+from torchckpt.planner.costs import BlockCosts, OpCosts
 from torchckpt.planner.distributed import agree_costs
+from torchckpt.planner.from_costs import ChainCosts
 
 
 def _costs(rank: int, op_name: str = "aten::mm") -> ChainCosts:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import torchckpt
 from torchckpt.planner import block_paths, find_blocks, fingerprint, plan_from_costs, profile, resolve_blocks
 from torchckpt.planner import solve as solver
-from torchckpt.planner.make_plan import no_checkpointing_schedule
+from torchckpt.planner.from_costs import no_checkpointing_schedule
 from torchckpt.planner.plan import PlannedRegion
 
 diffusers = pytest.importorskip("diffusers")

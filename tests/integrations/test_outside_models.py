@@ -21,7 +21,7 @@ from outside_models import BUILDERS, NEEDS, Case
 import torchckpt
 from torchckpt.planner import InfeasibleBudgetError, block_paths, fingerprint, plan_from_costs, profile, resolve_blocks
 from torchckpt.planner import solve as solver
-from torchckpt.planner.make_plan import no_checkpointing_schedule
+from torchckpt.planner.from_costs import no_checkpointing_schedule
 from torchckpt.planner.runner import StepRunner
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,7 @@ from torch import nn
 
 import torchckpt
 from torchckpt.planner import solve as solver
-from torchckpt.planner.costs import ChainCosts
-from torchckpt.planner.make_plan import plan_pieces
+from torchckpt.planner.from_costs import ChainCosts, plan_pieces
 from torchckpt.planner.plan import fingerprint
 
 

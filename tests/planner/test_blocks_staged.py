@@ -26,7 +26,7 @@ from torchckpt.planner import (
     resolve_blocks,
 )
 from torchckpt.planner import solve as solver
-from torchckpt.planner.make_plan import no_checkpointing_schedule
+from torchckpt.planner.from_costs import no_checkpointing_schedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -21,8 +21,8 @@ from torchckpt.memory import MemoryMeter
 from torchckpt.models import gpt, unet
 from torchckpt.planner import solve as solver
 from torchckpt.planner.blocks import find_blocks
-from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
-from torchckpt.planner.make_plan import resolve_margin
+from torchckpt.planner.costs import BlockCosts, OpCosts
+from torchckpt.planner.from_costs import ChainCosts, resolve_margin
 from torchckpt.planner.profile import profile
 from torchckpt.planner.runner import StepRunner
 

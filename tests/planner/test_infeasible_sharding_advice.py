@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from torchckpt.planner.costs import BlockCosts, ChainCosts
+from torchckpt.planner.costs import BlockCosts
+from torchckpt.planner.from_costs import ChainCosts
 from torchckpt.planner.solve import InfeasibleBudgetError, solve
 
 

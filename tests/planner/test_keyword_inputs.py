@@ -14,7 +14,7 @@ import torchckpt
 from torchckpt.planner import block_paths, fingerprint, profile
 from torchckpt.planner import solve as solver
 from torchckpt.planner.blocks import positional_form
-from torchckpt.planner.make_plan import plan_pieces
+from torchckpt.planner.from_costs import plan_pieces
 from torchckpt.planner.plan import PlannedRegion
 
 pytestmark = pytest.mark.usefixtures("one_thread")

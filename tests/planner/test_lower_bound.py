@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from test_solve_dp import brute_force, random_chain
 
-from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
+from torchckpt.planner.costs import BlockCosts, OpCosts
+from torchckpt.planner.from_costs import ChainCosts
 from torchckpt.planner.solve import Region, evaluate, floor_bytes, solve
 from torchckpt.planner.solve._chain import Chain
 from torchckpt.planner.solve.lower_bound import recompute_lower_bound

@@ -11,8 +11,8 @@ import transformers
 import torchckpt
 from torchckpt.models import gpt, unet
 from torchckpt.planner import solve as solver
+from torchckpt.planner.from_costs import plan_from_costs
 from torchckpt.planner.frontier import frontier_from_costs
-from torchckpt.planner.make_plan import plan_from_costs
 from torchckpt.planner.plan import fingerprint
 from torchckpt.planner.profile import profile
 
@@ -164,7 +164,7 @@ def test_the_two_measured_plans_are_predicted_to_the_kilobyte(build) -> None:  #
         predicted, _ = solver.evaluate(costs, schedule)
         plan = torchckpt.Plan(budget_bytes=int(predicted), predicted_peak_bytes=int(predicted),
                               predicted_extra_time_s=0.0,
-                              schedule=torchckpt.planner.make_plan.plan_pieces(schedule, menus),
+                              schedule=torchckpt.planner.from_costs.plan_pieces(schedule, menus),
                               block_paths=tuple(paths), fingerprint=fingerprint(model, batch, paths))
         report = torchckpt.verify_plan(model, plan, batch)
         error = predicted - report.measured_peak_bytes

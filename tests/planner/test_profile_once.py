@@ -16,7 +16,7 @@ import torch
 
 import torchckpt
 from torchckpt.models import gpt
-from torchckpt.planner.costs import ChainCosts
+from torchckpt.planner.from_costs import ChainCosts
 from torchckpt.planner.profile import profile
 
 

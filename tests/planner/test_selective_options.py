@@ -21,7 +21,7 @@ from torchckpt.executor.policies import save_ops
 from torchckpt.memory import MemoryMeter
 from torchckpt.models import gpt
 from torchckpt.planner import solve as solver
-from torchckpt.planner.costs import ChainCosts
+from torchckpt.planner.from_costs import ChainCosts
 from torchckpt.planner.profile import profile
 
 BATCH, TOKENS = 4, 64

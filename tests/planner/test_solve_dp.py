@@ -8,7 +8,8 @@ from functools import cache
 import numpy as np
 import pytest
 
-from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
+from torchckpt.planner.costs import BlockCosts, OpCosts
+from torchckpt.planner.from_costs import ChainCosts
 from torchckpt.planner.solve import (
     InfeasibleBudgetError,
     Region,

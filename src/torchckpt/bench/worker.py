@@ -167,7 +167,7 @@ def make_plans(model_name: str, peer_budgets: dict[str, int], sweep_points: int,
     """
     from torchckpt.planner import fingerprint, no_checkpointing_schedule, plan_from_costs, profile
     from torchckpt.planner import solve as solver
-    from torchckpt.planner.make_plan import resolve_margin
+    from torchckpt.planner.from_costs import resolve_margin
 
     entry = get_model(model_name)
     model, inputs = entry.build()

@@ -73,13 +73,14 @@ from torchckpt.executor.policies import (
     OpInfo,
     Policy,
     PolicyLike,
+    can_keep,
     everything_saveable,
     nothing_saveable,
     op_name,
     resolve_policy,
 )
 
-__all__ = ["CheckpointRecord", "RecomputationMismatchError", "RematError", "can_keep", "checkpoint",
+__all__ = ["CheckpointRecord", "RecomputationMismatchError", "RematError", "checkpoint",
            "checkpoint_sequential", "function_name", "run_recorded"]
 
 _IGNORED_OPS = frozenset({torch.ops.aten.detach.default})
@@ -171,30 +172,6 @@ class CheckpointRecord:
         if [v._version for v in flat] != versions:
             return None
         return tree_unflatten([v.detach() for v in flat], spec)
-
-
-def _is_keepable(func: Any, tag_name: str | None) -> bool:
-    schema = func._schema
-    if schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags:
-        # Random ops must draw again in recomputation, or every later random op shifts. ATen tags every
-        # op that may draw so, including the attention kernels that take ``dropout_p`` (SDPA).
-        return False
-    if tag_name is not None:
-        return True
-    return not any(ret.alias_info is not None for ret in schema.returns)
-
-
-def can_keep(func: Any, flat: list[Any], tag_name: str | None) -> bool:
-    """Whether a policy is asked about this op at all: every output is a tensor and the op is not a view,
-    in-place or random op (Note: [no view, in-place or random op is kept]). The profiler offers the planner only
-    ops that pass.
-
-    Example:
-        >>> x = torch.ones(2, 2)
-        >>> can_keep(torch.ops.aten.mm.default, [x], None), can_keep(torch.ops.aten.view.default, [x], None)
-        (True, False)
-    """
-    return bool(flat) and all(isinstance(v, torch.Tensor) for v in flat) and _is_keepable(func, tag_name)
 
 
 class _RegionMode(CountsRegion, TorchDispatchMode):

@@ -62,7 +62,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -70,8 +70,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy
 
-if TYPE_CHECKING:
-    from torchckpt.executor.policies import Policy
+from torchckpt.executor.policies import OpInfo, Policy, can_keep, op_name, policy_by_key
 
 __all__ = ["SideEffectsOnce", "checkpoint_while_compiling", "eager_measurement", "is_compiled_module", "sac_contexts",
            "uncompiled"]
@@ -164,8 +163,6 @@ def sac_contexts(policy: Policy) -> tuple[Any, Any]:
         >>> from torchckpt.executor.policies import save_ops
         >>> forward, recompute = sac_contexts(save_ops([1], ops=["aten.mm#0"]))
     """
-    from torchckpt.executor.checkpoint import can_keep
-    from torchckpt.executor.policies import OpInfo, op_name
 
     seen: collections.Counter[str] = collections.Counter()
     position = itertools.count()
@@ -224,7 +221,6 @@ def _warn_once(policy: Policy, message: str) -> None:
 def _contexts_for_key(key: str) -> tuple[Any, Any]:
     """``context_fn`` under torch.compile: a module-level function and the policy's key, which Dynamo guards
     on, so that policies sharing code (blocks compiled one by one) each get their own graph."""
-    from torchckpt.executor.policies import policy_by_key
 
     return sac_contexts(policy_by_key(key))
 

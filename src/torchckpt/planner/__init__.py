@@ -2,16 +2,18 @@
 
 Public seam: ``plan`` / ``frontier`` (profile -> solve -> Plan), ``Plan`` and its typed pieces,
 ``apply_plan``, ``verify_plan``, ``plan_without_side_effects``. ``profile`` (measures, decides nothing),
-``costs`` (the cost model), ``solve`` (pure numpy: never imports torch) and ``blocks`` are its parts.
+``costs`` (the cost model, ``CostModel``;
+``ChainCosts`` adds ``plan(budget)``), ``solve`` (pure numpy: never imports torch) and ``blocks`` are its parts.
 """
 
 from torchckpt._host import preserved_state
 from torchckpt.planner.apply import apply_plan
 from torchckpt.planner.blocks import block_paths, describe_paths, find_blocks, positional_form, resolve_blocks
-from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
+from torchckpt.planner.costs import BlockCosts, CostModel, OpCosts
+from torchckpt.planner.from_costs import ChainCosts, no_checkpointing_schedule, plan_from_costs, resolve_budget
 from torchckpt.planner.frontier import Frontier, FrontierPoint, frontier, frontier_from_costs
 from torchckpt.planner.isolation import plan_without_side_effects
-from torchckpt.planner.make_plan import no_checkpointing_schedule, plan, plan_from_costs, resolve_budget
+from torchckpt.planner.make_plan import plan
 from torchckpt.planner.plan import Plan, PlanMismatchError, PlannedBlock, PlannedRegion, PlanPiece, fingerprint
 from torchckpt.planner.profile import profile
 from torchckpt.planner.runner import StepFn, StepRunner, call_model, default_loss
@@ -51,5 +53,6 @@ __all__ = [
     "StepFn",
     "BlockCosts",
     "ChainCosts",
+    "CostModel",
     "OpCosts",
 ]

@@ -48,7 +48,7 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
    ``x_first``, the region's input, which the region holds through its backward pass, when its first
    block does not hold its input when plain, and the first block's ``freed_side_input_bytes``;
    conservative when that block is checkpointed inside), where
-   ``region_recompute_bytes`` (a ChainCosts field) is what recomputing a region keeps alive beyond its
+   ``region_recompute_bytes`` (a CostModel field) is what recomputing a region keeps alive beyond its
    blocks' own costs. The profiler measures it on a region over blocks ``0`` and ``1`` followed by plain
    blocks, and adds one block output, which measurements with checkpointed blocks nested in a
    region showed alive as well (see ``profile._region_residue``). The gradient arriving at a region is
@@ -79,7 +79,7 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
 9. **[a margin only where a plan was not measured]** A plan is accepted for a budget when its predicted
    peak plus its margin is within the budget: 0 for the two measured schedules, ``margin_bytes`` (the
    profiler's suggestion: 64 KiB plus 0.5% of the plain step's activation bytes, ``profile.HEADROOM_*``;
-   or what the caller asks for, ``make_plan.resolve_margin``) for every other schedule.
+   or what the caller asks for, ``from_costs.resolve_margin``) for every other schedule.
 """
 
 from __future__ import annotations
@@ -87,12 +87,11 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:  # never at run time: this module does not import torch
-    from torchckpt.planner.plan import Plan
+__all__ = ["OpCosts", "BlockCosts", "CostModel"]
 
-__all__ = ["OpCosts", "BlockCosts", "ChainCosts"]
+_Model = TypeVar("_Model", bound="CostModel")
 
 
 def _check_non_negative(owner: str, **values: float) -> None:
@@ -152,21 +151,23 @@ class BlockCosts:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ChainCosts:
-    """The whole cost model: fixed bytes, the head's transient, and the chain of blocks.
+class CostModel:
+    """The whole cost model: fixed bytes, the head's transient, and the chain of blocks (no torch needed).
+
+    The solver reads it; ``torchckpt.planner.ChainCosts`` (what ``profile`` returns) adds ``plan(budget)``.
 
     Besides the terms of the peak model: ``step_time_s`` (a bare plain training step, seconds);
     ``every_block_peak_bytes`` and ``every_block_step_time_s`` (the measured peak and step time with
     every block checkpointed keeping nothing; 0 when not measured, see [measured schedules are predicted
     as measured]); ``margin_bytes`` (the margin ``margin="auto"`` gives plans that were not measured,
     [a margin only where a plan was not measured]); ``block_paths`` and ``fingerprint`` (the model's
-    block module paths and ``plan.fingerprint``, recorded by ``profile`` so that :meth:`plan` can make
+    block module paths and ``plan.fingerprint``, recorded by ``profile`` so that ``ChainCosts.plan`` can make
     plans from these costs alone).
 
     Example:
         >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
-        >>> costs = ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block, block), block_paths=("0", "1"))
-        >>> ChainCosts.from_json(costs.to_json()) == costs
+        >>> costs = CostModel(fixed_bytes=100, head_bytes=10, blocks=(block, block), block_paths=("0", "1"))
+        >>> CostModel.from_json(costs.to_json()) == costs
         True
     """
 
@@ -184,59 +185,40 @@ class ChainCosts:
     fingerprint: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_non_negative("ChainCosts", fixed_bytes=self.fixed_bytes, head_bytes=self.head_bytes,
+        kind = type(self).__name__
+        _check_non_negative(kind, fixed_bytes=self.fixed_bytes, head_bytes=self.head_bytes,
                             region_recompute_bytes=self.region_recompute_bytes, step_time_s=self.step_time_s,
                             every_block_peak_bytes=self.every_block_peak_bytes,
                             every_block_step_time_s=self.every_block_step_time_s, margin_bytes=self.margin_bytes)
         for name in ("every_block_peak_bytes", "margin_bytes"):
             if not isinstance(getattr(self, name), int):
-                raise ValueError(f"ChainCosts.{name} must be an int number of bytes; got {getattr(self, name)!r}")
+                raise ValueError(f"{kind}.{name} must be an int number of bytes; got {getattr(self, name)!r}")
         paths = tuple(self.block_paths)
         if not all(isinstance(path, str) for path in paths):
-            raise ValueError(f"ChainCosts.block_paths must be strings (module paths); got {self.block_paths!r}")
+            raise ValueError(f"{kind}.block_paths must be strings (module paths); got {self.block_paths!r}")
         if not isinstance(self.fingerprint, dict):
-            raise ValueError(f"ChainCosts.fingerprint must be a dict (plan.fingerprint); got {self.fingerprint!r}")
+            raise ValueError(f"{kind}.fingerprint must be a dict (plan.fingerprint); got {self.fingerprint!r}")
         blocks = tuple(b if isinstance(b, BlockCosts) else BlockCosts(**b) for b in self.blocks)
         if not blocks:
-            raise ValueError("ChainCosts.blocks is empty: a cost model needs at least one block")
+            raise ValueError(f"{kind}.blocks is empty: a cost model needs at least one block")
         if not isinstance(self.chain, bool):
-            raise ValueError(f"ChainCosts.chain must be a bool; got {self.chain!r}")
+            raise ValueError(f"{kind}.chain must be a bool; got {self.chain!r}")
         for before, after in zip(blocks, blocks[1:] if self.chain else ()):
             if before.output_bytes != after.input_bytes:
-                raise ValueError(f"ChainCosts: block {before.name!r} outputs {before.output_bytes} bytes but the next "
+                raise ValueError(f"{kind}: block {before.name!r} outputs {before.output_bytes} bytes but the next "
                                  f"block {after.name!r} reads {after.input_bytes}; blocks must form a chain "
                                  "(or pass chain=False: then regions are not allowed)")
         if paths and len(paths) != len(blocks):
-            raise ValueError(f"ChainCosts.block_paths names {len(paths)} blocks but there are {len(blocks)}")
+            raise ValueError(f"{kind}.block_paths names {len(paths)} blocks but there are {len(blocks)}")
         object.__setattr__(self, "blocks", blocks)
         object.__setattr__(self, "block_paths", paths)
-
-    def plan(self, budget: int | str, *, margin: int | float | str = "auto", regions: bool = True) -> Plan:
-        """The plan with the least predicted recompute time within ``budget``, from these costs alone: one
-        ``profile`` serves any number of budgets (``plan`` profiles again each time).
-
-        ``budget``, ``margin`` and ``regions`` are those of ``torchckpt.plan``; the plan names the blocks by
-        ``block_paths`` (block names when empty) and carries ``fingerprint``. Raises
-        ``InfeasibleBudgetError`` below the floor, ValueError/TypeError for a malformed budget or margin.
-
-        Example:
-            >>> block = BlockCosts(name="b", input_bytes=10, output_bytes=10, saved_bytes=30, forward_time_s=0.1)
-            >>> costs = ChainCosts(fixed_bytes=100, head_bytes=0, blocks=(block, block), block_paths=("0", "1"))
-            >>> [costs.plan(budget).predicted_extra_time_s for budget in ("100%", 170)]
-            [0.0, 0.1]
-        """
-        from torchckpt.planner.make_plan import plan_from_costs  # lazily: make_plan imports torch
-
-        paths = self.block_paths or tuple(block.name for block in self.blocks)
-        return plan_from_costs(self, budget, block_paths=paths, model_fingerprint=dict(self.fingerprint),
-                               margin=margin, regions=regions)
 
     def to_json(self) -> str:
         """Serialise to JSON (the round trip is exact)."""
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> ChainCosts:
+    def from_json(cls: type[_Model], text: str) -> _Model:
         """Read what :meth:`to_json` wrote."""
         return cls(**json.loads(text))
 
@@ -245,6 +227,6 @@ class ChainCosts:
         Path(path).write_text(self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path) -> ChainCosts:
+    def load(cls: type[_Model], path: str | Path) -> _Model:
         """Read a cost model saved with :meth:`save`."""
         return cls.from_json(Path(path).read_text())

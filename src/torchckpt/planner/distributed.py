@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from torchckpt.planner.costs import ChainCosts
+from torchckpt.planner.from_costs import ChainCosts
 
 T = TypeVar("T")
 

@@ -19,8 +19,13 @@ from torch import nn
 from torchckpt._units import format_bytes
 from torchckpt.executor.compiled import uncompiled
 from torchckpt.planner import solve as solver
-from torchckpt.planner.costs import ChainCosts
-from torchckpt.planner.make_plan import no_checkpointing_schedule, plan_from_costs, regions_note, resolve_margin
+from torchckpt.planner.from_costs import (
+    ChainCosts,
+    no_checkpointing_schedule,
+    plan_from_costs,
+    regions_note,
+    resolve_margin,
+)
 from torchckpt.planner.plan import Plan, fingerprint
 from torchckpt.planner.profile import profile
 from torchckpt.planner.runner import StepFn

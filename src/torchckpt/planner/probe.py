@@ -22,8 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from torchckpt.executor.checkpoint import can_keep
-from torchckpt.executor.policies import TAG_STATE, op_name
+from torchckpt.executor.policies import TAG_STATE, can_keep, op_name
 from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner.blocks import block_paths, describe_paths, positional_form, structure_key
 from torchckpt.planner.runner import StepRunner

@@ -30,7 +30,7 @@ How each figure of ``costs.py`` is obtained (the names of that module's rules in
 4. **[ops are numbered as the executor numbers them]** Ops are recorded inside each block's plain forward
    with the executor's own numbering (``aten.detach`` skipped, ``tag`` visible as in a checkpointed
    region), so ``save_ops`` indices in a plan refer to them. An op is ``saved`` when autograd saves a
-   tensor whose storage the op created and the executor can keep its outputs (``checkpoint.can_keep``: not
+   tensor whose storage the op created and the executor can keep its outputs (``policies.can_keep``: not
    a view, not in-place, not random, and not written in place later). SDPA is tagged random by ATen (it
    takes ``dropout_p``), so it is recomputed under any policy; counting it as kept over-predicted
    selective plans by its output per block (2.16 MB per block on gpt("mini") at 16 x 256 tokens) and
@@ -75,7 +75,7 @@ from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner import solve as solver
 from torchckpt.planner.apply import wrap_region
 from torchckpt.planner.blocks import block_paths, resolve_blocks
-from torchckpt.planner.costs import BlockCosts, ChainCosts, OpCosts
+from torchckpt.planner.costs import BlockCosts, OpCosts
 from torchckpt.planner.distributed import (
     agree_costs,
     agree_flag,
@@ -84,6 +84,7 @@ from torchckpt.planner.distributed import (
     same_outcome,
     sharded_blocks_note,
 )
+from torchckpt.planner.from_costs import ChainCosts
 from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
 from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step
 from torchckpt.planner.runner import StepFn, StepRunner

@@ -11,20 +11,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchckpt.planner.costs import ChainCosts
+from torchckpt.planner.costs import CostModel
 from torchckpt.planner.solve._types import MenuOption, Single
 from torchckpt.planner.solve.menu import block_menu
 
 
 @dataclass(frozen=True)
 class Chain:
-    costs: ChainCosts
+    costs: CostModel
     menus: tuple[tuple[MenuOption, ...], ...]
 
     @classmethod
-    def of(cls, costs: ChainCosts) -> Chain:
-        if not isinstance(costs, ChainCosts):
-            raise TypeError(f"costs must be a ChainCosts (torchckpt.planner.costs); got {type(costs).__name__}")
+    def of(cls, costs: CostModel) -> Chain:
+        if not isinstance(costs, CostModel):
+            raise TypeError(f"costs must be a CostModel (torchckpt.planner.costs); got {type(costs).__name__}")
         cache: dict = {}
         menus = []
         for block in costs.blocks:

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from torchckpt._units import check_positive_int, format_bytes
-from torchckpt.planner.costs import ChainCosts
+from torchckpt.planner.costs import CostModel
 from torchckpt.planner.solve._chain import Chain
 from torchckpt.planner.solve._types import InfeasibleBudgetError, Piece, Region, Single, Solution
 from torchckpt.planner.solve.evaluate import evaluate_chain
@@ -283,7 +283,7 @@ def _infeasible(chain: Chain, budget_bytes: int, floor: int, schedule: tuple[Pie
     return InfeasibleBudgetError(budget_bytes, floor, breakdown, message)
 
 
-def solve(costs: ChainCosts, budget_bytes: int, *, allow_regions: bool = True,
+def solve(costs: CostModel, budget_bytes: int, *, allow_regions: bool = True,
           memory_slots: int = DEFAULT_MEMORY_SLOTS, margin_bytes: int | None = None) -> Solution:
     """The schedule with the least predicted extra time whose predicted peak plus its margin is within
     ``budget_bytes``.
@@ -299,7 +299,7 @@ def solve(costs: ChainCosts, budget_bytes: int, *, allow_regions: bool = True,
     Example:
         >>> from torchckpt.planner.costs import BlockCosts
         >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
-        >>> costs = ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block,) * 4)
+        >>> costs = CostModel(fixed_bytes=100, head_bytes=10, blocks=(block,) * 4)
         >>> solve(costs, 160).extra_time_s, solve(costs, 150).extra_time_s  # all plain peaks at 158
         (0.0, 1.0)
         >>> solve(costs, 140).schedule
@@ -342,13 +342,13 @@ def solve(costs: ChainCosts, budget_bytes: int, *, allow_regions: bool = True,
     return Solution(schedule=schedule, predicted_peak_bytes=peak, extra_time_s=extra_s, budget_bytes=budget_bytes)
 
 
-def solve_budgets(costs: ChainCosts, budgets: Sequence[int], *, allow_regions: bool = True) -> tuple[Solution, ...]:
+def solve_budgets(costs: CostModel, budgets: Sequence[int], *, allow_regions: bool = True) -> tuple[Solution, ...]:
     """``solve`` at each budget, in the order given (raises for a budget below ``floor_bytes``).
 
     Example:
         >>> from torchckpt.planner.costs import BlockCosts
         >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
-        >>> costs = ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block,) * 4)
+        >>> costs = CostModel(fixed_bytes=100, head_bytes=10, blocks=(block,) * 4)
         >>> [s.extra_time_s for s in solve_budgets(costs, [160, 140, 130])]
         [0.0, 2.0, 4.0]
     """

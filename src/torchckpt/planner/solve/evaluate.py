@@ -2,7 +2,7 @@
 
 The rules it evaluates run from [what a piece holds] through [predicted peak is the maximum], and
 [measured schedules are predicted as measured]: every block checkpointed keeping nothing is given
-its measured peak (``ChainCosts.every_block_peak_bytes``) when the profiler recorded one.
+its measured peak (``CostModel.every_block_peak_bytes``) when the profiler recorded one.
 
 Schedules are checked as they are walked; every error names the piece, what was expected and what was
 found. Extra time is summed from the last piece back to the first (a piece's time plus the rest's),
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torchckpt.planner.costs import ChainCosts
+from torchckpt.planner.costs import CostModel
 from torchckpt.planner.solve._chain import Chain
 from torchckpt.planner.solve._types import Piece, Region, Single
 
@@ -101,7 +101,7 @@ def evaluate_chain(chain: Chain, schedule: Sequence[Piece]) -> tuple[int, float,
     Example:
         >>> from torchckpt.planner.costs import BlockCosts
         >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
-        >>> chain = Chain.of(ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block, block)))
+        >>> chain = Chain.of(CostModel(fixed_bytes=100, head_bytes=10, blocks=(block, block)))
         >>> evaluate_chain(chain, (Single(0, 0), Single(1, 0)))
         (134, 0.0, 'the end of the forward pass (the head)')
     """
@@ -117,13 +117,13 @@ def evaluate_chain(chain: Chain, schedule: Sequence[Piece]) -> tuple[int, float,
     return peak.bytes, extra_s, peak.event
 
 
-def evaluate(costs: ChainCosts, schedule: Sequence[Piece]) -> tuple[int, float]:
+def evaluate(costs: CostModel, schedule: Sequence[Piece]) -> tuple[int, float]:
     """Predicted peak bytes and extra (recompute) seconds of ``schedule`` under costs.py's peak model.
 
     Example:
         >>> from torchckpt.planner.costs import BlockCosts
         >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
-        >>> costs = ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block, block))
+        >>> costs = CostModel(fixed_bytes=100, head_bytes=10, blocks=(block, block))
         >>> evaluate(costs, (Single(0, 0), Single(1, 0)))  # all plain
         (134, 0.0)
         >>> evaluate(costs, (Region(0, 2, inner=(Single(0, 0), Single(1, 0))),))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from torchckpt.planner.costs import ChainCosts
+from torchckpt.planner.costs import CostModel
 from torchckpt.planner.solve._chain import Chain
 from torchckpt.planner.solve._types import Piece, Region, Single
 from torchckpt.planner.solve.evaluate import evaluate_chain
@@ -147,7 +147,7 @@ def check_margin(margin_bytes: object) -> int:
     return margin_bytes
 
 
-def floor_bytes(costs: ChainCosts, *, allow_regions: bool = True, margin_bytes: int | None = None) -> int:
+def floor_bytes(costs: CostModel, *, allow_regions: bool = True, margin_bytes: int | None = None) -> int:
     """The least budget some schedule fits: its predicted peak plus its margin (``margin_bytes`` for schedules
     that were not measured, None: ``costs.margin_bytes``; 0 for measured ones); ``solve`` raises below it,
     never at or above it.
@@ -155,7 +155,7 @@ def floor_bytes(costs: ChainCosts, *, allow_regions: bool = True, margin_bytes: 
     Example:
         >>> from torchckpt.planner.costs import BlockCosts
         >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
-        >>> costs = ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block,) * 4)
+        >>> costs = CostModel(fixed_bytes=100, head_bytes=10, blocks=(block,) * 4)
         >>> floor_bytes(costs), floor_bytes(costs, margin_bytes=10)
         (124, 134)
     """
@@ -164,7 +164,7 @@ def floor_bytes(costs: ChainCosts, *, allow_regions: bool = True, margin_bytes: 
     return floor
 
 
-def schedule_margin_bytes(costs: ChainCosts, schedule: tuple[Piece, ...], margin_bytes: int | None = None) -> int:
+def schedule_margin_bytes(costs: CostModel, schedule: tuple[Piece, ...], margin_bytes: int | None = None) -> int:
     """The margin ``schedule`` must keep below a budget: 0 if the profiler measured it (no checkpointing;
     every block checkpointed, when ``costs.every_block_peak_bytes`` is set), else ``margin_bytes`` (None:
     ``costs.margin_bytes``).
@@ -172,7 +172,7 @@ def schedule_margin_bytes(costs: ChainCosts, schedule: tuple[Piece, ...], margin
     Example:
         >>> from torchckpt.planner.costs import BlockCosts
         >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
-        >>> costs = ChainCosts(fixed_bytes=100, head_bytes=10, blocks=(block,) * 2)
+        >>> costs = CostModel(fixed_bytes=100, head_bytes=10, blocks=(block,) * 2)
         >>> [schedule_margin_bytes(costs, (Single(0, k), Single(1, 0)), 64) for k in (0, 1)]
         [0, 64]
     """

@@ -39,7 +39,7 @@ against brute force over every schedule of random chains.
 from __future__ import annotations
 
 from torchckpt._units import check_index
-from torchckpt.planner.costs import ChainCosts
+from torchckpt.planner.costs import CostModel
 from torchckpt.planner.solve._chain import Chain
 from torchckpt.planner.solve.evaluate import evaluate
 
@@ -126,7 +126,7 @@ def _required_bytes(chain: Chain, budget_bytes: int) -> list[tuple[int, int]]:
     return required
 
 
-def recompute_lower_bound(costs: ChainCosts, budget_bytes: int, *, margin_bytes: int = 0,
+def recompute_lower_bound(costs: CostModel, budget_bytes: int, *, margin_bytes: int = 0,
                           regions: bool = True) -> float | None:
     """A lower bound on the extra time of any schedule within ``budget_bytes`` (seconds), or None where
     the relaxation finds none fits (the budget is below what its forward-end relaxation can reach, so
@@ -138,7 +138,7 @@ def recompute_lower_bound(costs: ChainCosts, budget_bytes: int, *, margin_bytes:
     Example:
         >>> from torchckpt.planner.costs import BlockCosts
         >>> block = BlockCosts(name="b", input_bytes=10, output_bytes=10, saved_bytes=30, forward_time_s=0.1)
-        >>> costs = ChainCosts(fixed_bytes=100, head_bytes=0, blocks=(block, block))
+        >>> costs = CostModel(fixed_bytes=100, head_bytes=0, blocks=(block, block))
         >>> [recompute_lower_bound(costs, budget) for budget in (180, 170, 165)]
         [0.025, 0.05, 0.0625]
     """
