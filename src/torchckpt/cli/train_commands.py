@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 from torchckpt.cli import positive_int
-from torchckpt.models import GPT_SIZES
+from torchckpt.train.config import TrainOption, train_options
 
-if TYPE_CHECKING:
-    from torchckpt.train import TrainConfig
+# How each kind of option reads its value (torchckpt.train.config.TrainOption.kind); "switch" takes none.
+_READERS: dict[str, Callable[[str], Any]] = {"count": positive_int, "int": int, "float": float, "text": str}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -22,11 +23,11 @@ def _run(args: argparse.Namespace) -> int:
     from torchckpt.train import TrainConfig, train
 
     try:
-        config = TrainConfig(budget=args.budget, size=args.size, model=args.model, batch_size=args.batch_size,
-                             seq_len=args.seq_len, steps=args.steps, save_every=args.save_every, seed=args.seed,
-                             lr=args.lr, dir=args.dir, threads=args.threads, save=not args.no_save)
+        config = TrainConfig.from_options(vars(args))
         if args.nproc > 1:
-            return _launch(args, config)
+            from torchckpt.train.distributed import launch
+
+            return launch(args.nproc, config)
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         saving = f"checkpoint every {config.save_every}" if config.save else "no checkpoints (--no-save)"
@@ -44,17 +45,24 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace, config: TrainConfig) -> int:
-    """``--nproc N``: the same command on N processes under torchrun (torchckpt.train.distributed.launch)."""
-    from torchckpt.train.distributed import launch
+def add_option(parser: argparse.ArgumentParser, option: TrainOption) -> None:
+    """Add one TrainConfig field's option to ``parser`` (dest: the field's name).
 
-    forwarded = ["--budget", str(config.budget), "--size", config.size, "--batch-size", str(config.batch_size),
-                 "--seq-len", str(config.seq_len), "--steps", str(config.steps), "--save-every",
-                 str(config.save_every), "--seed", str(config.seed), "--lr", repr(config.lr), "--dir", config.dir]
-    forwarded += [] if config.save else ["--no-save"]
-    forwarded += ["--model", config.model] if config.model is not None else []
-    forwarded += ["--threads", str(config.threads)] if config.threads is not None else []
-    return launch(args.nproc, forwarded)
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> for option in train_options():
+        ...     add_option(parser, option)
+        >>> args = parser.parse_args(["--steps", "8", "--no-save"])
+        >>> args.steps, args.save, args.budget
+        (8, False, '45%')
+    """
+    text = option.help.replace("%", "%%")  # argparse formats help with %
+    if option.kind == "switch":
+        action = "store_false" if option.default else "store_true"
+        parser.add_argument(option.flag, dest=option.name, action=action, help=text)
+        return
+    parser.add_argument(option.flag, dest=option.name, type=_READERS[option.kind], default=option.default,
+                        choices=None if option.choices is None else list(option.choices), help=text)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -65,23 +73,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Python standard library's *.py files. Plans activation checkpointing for --budget, shows "
                     "live progress, saves every --save-every steps and on Ctrl-C/SIGTERM. Running the same "
                     "command again resumes where it stopped; with more --steps a finished run continues.")
-    parser.add_argument("--budget", default="45%", help="peak memory of the whole step: bytes, '300MiB', or a "
-                                                        "percentage of the peak without checkpointing (default 45%%)")
-    parser.add_argument("--size", default="mini", choices=list(GPT_SIZES), help="built-in GPT size (default mini)")
-    parser.add_argument("--model", default=None, help="path/to/file.py:factory: your model instead of the "
-                                                       "built-in GPT; model(ids, targets) must return the loss")
-    parser.add_argument("--batch-size", type=positive_int, default=16)
-    parser.add_argument("--seq-len", type=positive_int, default=256)
-    parser.add_argument("--steps", type=positive_int, default=100, help="train until this step (default 100)")
-    parser.add_argument("--save-every", type=positive_int, default=25, help="checkpoint every N steps (default 25)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate after a 20-step warm-up")
-    parser.add_argument("--dir", default="runs/demo", help="run directory (default runs/demo)")
-    parser.add_argument("--threads", type=positive_int, default=None,
-                        help="CPU threads (default: PyTorch's choice); resume with the same number for bitwise "
-                             "equal losses")
-    parser.add_argument("--no-save", action="store_true",
-                        help="train without saving checkpoints (needed on several processes for now)")
+    for option in train_options():  # one per TrainConfig field (torchckpt.train.config)
+        add_option(parser, option)
     parser.add_argument("--nproc", type=positive_int, default=1,
                         help="train on N local processes under torchrun, the model sharded with FSDP2; the budget "
                              "is per process (same as: torchrun --nproc-per-node N -m torchckpt train ...)")

@@ -1,4 +1,11 @@
-"""TrainConfig: every option of ``torchckpt train``, checked when built.
+"""TrainConfig: every option of ``torchckpt train``, defined once and checked when built.
+
+Each field of :class:`TrainConfig` is declared with :func:`train_option`: its type (the annotation), its
+default, its help text and what the command line needs beyond that (a count, choices, a flag name of its
+own). Everything else is generated from these fields (:func:`train_options`): the argparse options of
+``torchckpt train`` (``torchckpt.cli.train_commands``), the mapping from parsed options back to a config
+(:meth:`TrainConfig.from_options`) and the argv that gives a process started by ``--nproc N`` the same
+config (:meth:`TrainConfig.argv`). A field that is not an option says so (``cli=False``).
 
 Options that define *what* is trained (model, batch shape, seed, learning rate) are the run's identity:
 they are written to ``run.json`` in the run directory, and a later command on the same directory must
@@ -9,16 +16,22 @@ plan: gradients with any plan are bitwise those without checkpointing).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import Field, asdict, dataclass, field, fields
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from torchckpt._units import check_positive_int, parse_bytes, parse_percent
 from torchckpt.models import GPT_SIZES
 
-__all__ = ["TrainConfig", "check_budget"]
+__all__ = ["TrainConfig", "TrainOption", "check_budget", "train_option", "train_options"]
 
 IDENTITY_FIELDS = ("model", "size", "batch_size", "seq_len", "seed", "lr", "dropout")
+
+OptionKind = Literal["count", "int", "float", "text", "switch"]
 
 
 def check_budget(budget: str | int) -> str | int:
@@ -33,36 +46,154 @@ def check_budget(budget: str | int) -> str | int:
     return budget
 
 
+def train_option(default: Any, help: str, *, count: bool = False, choices: Sequence[str] | None = None,
+                 flag: str | None = None, cli: bool = True) -> Any:
+    """A :class:`TrainConfig` field and its ``torchckpt train`` option, declared together.
+
+    Args:
+        default: the field's default, also the option's.
+        help: what the option means (``torchckpt train --help``; plain text, no ``%`` escapes).
+        count: the value is a whole number >= 1 (the command line's ``positive_int``).
+        choices: the only values allowed.
+        flag: the flag when not ``--`` + the name with dashes (a bool that is True by default gets
+            ``--no-<name>``, one that is False ``--<name>``: both take no value).
+        cli: False for a field that only the Python API sets (:meth:`TrainConfig.argv` refuses to
+            forward a value other than its default).
+
+    Example:
+        >>> sorted(train_option(25, "checkpoint every N steps", count=True).metadata)
+        ['choices', 'cli', 'count', 'flag', 'help']
+    """
+    if not help.strip():
+        raise ValueError("train_option: every option needs a help text")
+    metadata = {"help": help, "count": count, "choices": None if choices is None else tuple(choices),
+                "flag": flag, "cli": cli}
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class TrainOption:
+    """One ``torchckpt train`` option, as generated from a :class:`TrainConfig` field.
+
+    ``name`` is the field's name and argparse's ``dest``; ``kind`` says how a value is read: ``count``
+    (a whole number >= 1), ``int``, ``float``, ``text`` or ``switch`` (a flag without a value that sets
+    the field to ``not default``).
+    """
+
+    name: str
+    flag: str
+    kind: OptionKind
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None
+    cli: bool
+
+    def argv(self, value: Any) -> list[str]:
+        """The arguments that set this option to ``value`` (none for a default switch or an unset None).
+
+        Example:
+            >>> steps = next(o for o in train_options() if o.name == "steps")
+            >>> steps.argv(300)
+            ['--steps=300']
+        """
+        if not self.cli:
+            if value != self.default:
+                raise ValueError(f"{self.name}={value!r} has no torchckpt train option, so processes started with "
+                                 f"--nproc would train with {self.name}={self.default!r}; start them with torchrun "
+                                 "and the Python API (torchckpt.train.train) instead")
+            return []
+        if self.kind == "switch":
+            return [self.flag] if value != self.default else []
+        if value is None:
+            if self.default is not None:
+                raise ValueError(f"{self.flag}: None cannot be given on the command line; pass a value")
+            return []
+        return [f"{self.flag}={value!r}" if self.kind == "float" else f"{self.flag}={value}"]
+
+
+def _kind(name: str, hint: Any, count: bool) -> OptionKind:
+    """The option kind of a field's annotation (``X | None`` as ``X``; ``str | int`` as text)."""
+    members = set(typing.get_args(hint)) - {type(None)} if isinstance(hint, types.UnionType) else {hint}
+    if members == {bool}:
+        return "switch"
+    if str in members:
+        return "text"
+    if members == {int}:
+        return "count" if count else "int"
+    if members == {float}:
+        return "float"
+    raise TypeError(f"TrainConfig.{name}: type {hint!r} has no command-line form; use int, float, str or bool")
+
+
+def _option(item: Field, hint: Any) -> TrainOption:
+    meta = item.metadata
+    if "help" not in meta:
+        raise TypeError(f"TrainConfig.{item.name}: declare it with train_option(default, help, ...)")
+    kind = _kind(item.name, hint, meta["count"])
+    dashed = item.name.replace("_", "-")
+    flag = meta["flag"] or (f"--no-{dashed}" if kind == "switch" and item.default else f"--{dashed}")
+    return TrainOption(name=item.name, flag=flag, kind=kind, default=item.default, help=meta["help"],
+                       choices=meta["choices"], cli=meta["cli"])
+
+
+@cache
+def _all_options() -> tuple[TrainOption, ...]:
+    hints = typing.get_type_hints(TrainConfig)
+    return tuple(_option(item, hints[item.name]) for item in fields(TrainConfig))
+
+
+def train_options(*, cli_only: bool = True) -> tuple[TrainOption, ...]:
+    """The options of ``torchckpt train``, one per :class:`TrainConfig` field, in ``--help`` order;
+    ``cli_only=False`` adds the fields only the Python API sets (``cli`` False).
+
+    Example:
+        >>> [o.flag for o in train_options()][:4]
+        ['--budget', '--size', '--model', '--batch-size']
+        >>> [o.flag for o in train_options() if o.kind == "switch"]
+        ['--no-save']
+        >>> [o.name for o in train_options(cli_only=False) if not o.cli]
+        ['dropout']
+    """
+    return tuple(o for o in _all_options() if o.cli or not cli_only)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Options of a training run (see ``torchckpt train --help``).
+    """Options of a training run (see ``torchckpt train --help``); each field is one option.
 
     Example:
         >>> TrainConfig(size="tiny", steps=4, batch_size=2, seq_len=16).run_dir
         PosixPath('runs/demo')
     """
 
-    budget: str | int = "45%"
-    size: str = "mini"
-    model: str | None = None
-    batch_size: int = 16
-    seq_len: int = 256
-    steps: int = 100
-    save_every: int = 25
-    seed: int = 0
-    lr: float = 3e-3
-    dropout: float = 0.1
-    dir: str = "runs/demo"
-    threads: int | None = None
-    save: bool = True
+    budget: str | int = train_option(
+        "45%", "peak memory of the whole step: bytes, '300MiB', or a percentage of the peak without "
+               "checkpointing (default 45%)")
+    size: str = train_option("mini", "built-in GPT size (default mini)", choices=tuple(GPT_SIZES))
+    model: str | None = train_option(
+        None, "path/to/file.py:factory: your model instead of the built-in GPT; model(ids, targets) must "
+              "return the loss")
+    batch_size: int = train_option(16, "sequences per step (default 16)", count=True)
+    seq_len: int = train_option(256, "bytes per sequence (default 256)", count=True)
+    steps: int = train_option(100, "train until this step (default 100)", count=True)
+    save_every: int = train_option(25, "checkpoint every N steps (default 25)", count=True)
+    seed: int = train_option(0, "seed of the weights, the data order and dropout (default 0)")
+    lr: float = train_option(3e-3, "AdamW learning rate after a 20-step warm-up (default 3e-3)")
+    dropout: float = train_option(0.1, "dropout of the built-in GPT (default 0.1); Python API only", cli=False)
+    dir: str = train_option("runs/demo", "run directory (default runs/demo)")
+    threads: int | None = train_option(
+        None, "CPU threads (default: PyTorch's choice); resume with the same number for bitwise equal losses",
+        count=True)
+    save: bool = train_option(True, "train without saving checkpoints (the run cannot be resumed)")
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
         if self.size not in GPT_SIZES:
             raise ValueError(f"--size {self.size!r}: unknown; choose one of {', '.join(GPT_SIZES)}")
-        counts = ("batch_size", "seq_len", "steps", "save_every") + (() if self.threads is None else ("threads",))
-        for option in counts:
-            check_positive_int(f"--{option.replace('_', '-')}", getattr(self, option))
+        for option in train_options():
+            value = getattr(self, option.name)
+            if option.kind == "count" and value is not None:
+                check_positive_int(option.flag, value)
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive; got {self.lr!r}")
         if not 0.0 <= self.dropout < 1.0:
@@ -70,6 +201,28 @@ class TrainConfig:
         if self.model is None and self.seq_len > GPT_SIZES[self.size].max_seq_len:
             raise ValueError(f"--seq-len {self.seq_len} exceeds gpt({self.size!r})'s max_seq_len "
                              f"({GPT_SIZES[self.size].max_seq_len}); use a shorter --seq-len or a larger --size")
+
+    @classmethod
+    def from_options(cls, values: Mapping[str, Any]) -> TrainConfig:
+        """The config that parsed ``torchckpt train`` options give (``vars(args)``; other keys are ignored,
+        a missing option keeps its default).
+
+        Example:
+            >>> TrainConfig.from_options({"steps": 8, "save": False, "nproc": 2}).steps
+            8
+        """
+        return cls(**{o.name: values[o.name] for o in train_options() if o.name in values})
+
+    def argv(self) -> list[str]:
+        """``torchckpt train`` arguments that give this config (what ``--nproc N`` passes to each process).
+
+        Example:
+            >>> TrainConfig(size="tiny", save=False).argv()[:3]
+            ['--budget=45%', '--size=tiny', '--batch-size=16']
+            >>> TrainConfig(size="tiny", save=False).argv()[-1]
+            '--no-save'
+        """
+        return [arg for o in train_options(cli_only=False) for arg in o.argv(getattr(self, o.name))]
 
     @property
     def run_dir(self) -> Path:

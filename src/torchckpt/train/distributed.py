@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from torchckpt.planner.distributed import collective_device
+from torchckpt.train.config import TrainConfig
 
 __all__ = ["Ranks", "join_process_group", "launch", "shard_model"]
 
@@ -116,16 +117,17 @@ def shard_model(model: nn.Module, blocks: Sequence[nn.Module]) -> nn.Module:
     return model
 
 
-def launch(nproc: int, argv: Sequence[str]) -> int:
-    """``torchckpt train --nproc N``: run ``torchckpt train argv`` on ``nproc`` local processes under torchrun
-    (``torch.distributed.run --standalone``); returns its exit code.
+def launch(nproc: int, config: TrainConfig) -> int:
+    """``torchckpt train --nproc N``: train ``config`` on ``nproc`` local processes under torchrun
+    (``torch.distributed.run --standalone``); each process gets ``config.argv()``. Returns the exit code.
 
     Example::
 
-        launch(2, ["--size", "tiny", "--no-save"])  # torchrun --standalone --nproc-per-node 2 -m torchckpt train ...
+        launch(2, TrainConfig(size="tiny", save=False))  # torchrun --standalone --nproc-per-node 2 ...
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"--nproc must be a positive integer; got {nproc!r}")
+    argv = config.argv()  # before starting anything: a config the command line cannot give is refused here
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "torchckpt", "train", *argv]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1)
