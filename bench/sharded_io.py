@@ -245,22 +245,32 @@ def save_phase(rank: int, port: int, out_dir: str, world: int, cfg: dict[str, An
 # Parts of torchckpt's save and restore timed on their own (seconds summed per call): label -> the places the
 # function may live, (module, attribute), the first that exists is wrapped where its callers look it up.
 SAVE_PARTS = {
-    "snapshot: get_state_dict and rank-local state": [("torchckpt.state.checkpointer", "snapshot_sharded")],
+    "snapshot: get_state_dict and rank-local state": [("torchckpt.state.checkpointer.checkpointer", "snapshot_sharded"),
+                                                      ("torchckpt.state.checkpointer", "snapshot_sharded")],
     "dcp.save: plans exchanged over gloo, write_data, results gathered": [("torch.distributed.checkpoint",
                                                                            "save")],
-    "of which write_data: hash + write + fsync of the shard file": [("torchckpt.state.shard_storage",
+    "of which write_data: hash + write + fsync of the shard file": [("torchckpt.state.sharded.shard_storage",
+                                                                     "ShardWriter.write_data"),
+                                                                    ("torchckpt.state.shard_storage",
                                                                      "ShardWriter.write_data")],
-    "commit (rank 0: state.json, manifest, rename, fsync)": [("torchckpt.state.sharded", "_commit")],
+    "commit (rank 0: state.json, manifest, rename, fsync)": [("torchckpt.state.sharded.save", "_commit"),
+                                                             ("torchckpt.state.sharded", "_commit")],
 }
 RESTORE_PARTS = {
-    "live state dicts (includes the optimizer state init)": [("torchckpt.state.sharded_restore", "live_state"),
+    "live state dicts (includes the optimizer state init)": [("torchckpt.state.sharded.restore", "live_state"),
+                                                             ("torchckpt.state.sharded_restore", "live_state"),
                                                              ("torchckpt.state.sharded", "_live_state")],
     "dcp.load: plans exchanged over gloo, read_data": [("torch.distributed.checkpoint", "load")],
-    "of which read_data: read + verify + copy into the targets": [("torchckpt.state.shard_storage",
+    "of which read_data: read + verify + copy into the targets": [("torchckpt.state.sharded.shard_storage",
+                                                                   "ShardReader.read_data"),
+                                                                  ("torchckpt.state.shard_storage",
                                                                    "ShardReader.read_data")],
-    "of which pread: the shards' byte ranges (and the small index)": [("torchckpt.state.storage",
+    "of which pread: the shards' byte ranges (and the small index)": [("torchckpt.state.storage.local",
+                                                                        "LocalStorage.read_range"),
+                                                                       ("torchckpt.state.storage",
                                                                         "LocalStorage.read_range")],
-    "apply into the live model and optimizer (apply_restore)": [("torchckpt.state.sharded_restore", "apply_restore"),
+    "apply into the live model and optimizer (apply_restore)": [("torchckpt.state.sharded.restore", "apply_restore"),
+                                                                ("torchckpt.state.sharded_restore", "apply_restore"),
                                                                 ("torchckpt.state.checkpointer", "apply_restore")],
 }
 REST = "rest: index, manifest, rank-local files, store vote, waits for the other ranks"
@@ -312,7 +322,7 @@ class _CountingReaders:
     """Adds up the bytes the ShardReaders of a restore read from the shard files (untimed bookkeeping)."""
 
     def __init__(self) -> None:
-        from torchckpt.state.shard_storage import ShardReader
+        from torchckpt.state.sharded.shard_storage import ShardReader
 
         self.readers: list[Any] = []
         original = ShardReader.__init__

@@ -18,8 +18,8 @@ import time
 import torch
 
 from torchckpt.state import Checkpointer
-from torchckpt.state.format import HASH_ALGORITHMS, hash_bytes
-from torchckpt.state.storage import LocalStorage
+from torchckpt.state.format.hashing import HASH_ALGORITHMS, hash_bytes
+from torchckpt.state.storage.local import LocalStorage
 
 
 def _median_s(action, repeats: int) -> float:

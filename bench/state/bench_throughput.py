@@ -54,9 +54,10 @@ from collections.abc import Callable
 import torch
 
 from torchckpt.state import Checkpointer
-from torchckpt.state.format import DEFAULT_HASH_ALGORITHM, hash_bytes, parse_step_dir_name
-from torchckpt.state.reader import read_newest_valid
-from torchckpt.state.storage import open_storage
+from torchckpt.state.format.hashing import DEFAULT_HASH_ALGORITHM, hash_bytes
+from torchckpt.state.format.layout import parse_step_dir_name
+from torchckpt.state.read.newest import read_newest_valid
+from torchckpt.state.storage.backends import open_storage
 
 MB = 10**6
 

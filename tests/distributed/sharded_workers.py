@@ -15,7 +15,7 @@ from torch import nn
 
 from torchckpt import Checkpointer
 from torchckpt.bench.distributed import spawn_processes
-from torchckpt.state.codec import split_tensors
+from torchckpt.state.format.codec import split_tensors
 
 WIDTH = 33  # odd: FSDP2 shards it unevenly on 2 and 4 ranks
 

@@ -67,7 +67,7 @@ def test_rank_local_items_that_differed_are_not_restored_on_another_world_size(s
 def test_every_file_of_a_sharded_step_is_json_or_safetensors(tmp_path: Path) -> None:
     import json
 
-    from torchckpt.state.codec import decode_safetensors
+    from torchckpt.state.format.codec import decode_safetensors
 
     model = torch.nn.Linear(4, 3)
     with Checkpointer(tmp_path, sharded=True) as ckpt:
@@ -131,10 +131,10 @@ def test_a_rank_reads_only_the_blocks_of_the_part_it_needs(tmp_path: Path) -> No
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-    from torchckpt.state.catalog import read_manifest
-    from torchckpt.state.shard_storage import BLOCK_BYTES
-    from torchckpt.state.sharded_restore import open_sharded, shard_reader
-    from torchckpt.state.storage import open_storage
+    from torchckpt.state.read.step import read_manifest
+    from torchckpt.state.sharded.shard_storage import BLOCK_BYTES
+    from torchckpt.state.sharded.step import open_sharded, shard_reader
+    from torchckpt.state.storage.backends import open_storage
 
     model = torch.nn.Linear(1024, 1024)  # a 4 MiB weight: four blocks
     with Checkpointer(tmp_path, sharded=True) as ckpt:
@@ -171,7 +171,7 @@ def test_an_index_whose_chunks_miss_part_of_a_tensor_is_corrupt() -> None:
     import json
 
     from torchckpt.state.errors import CheckpointCorruptError
-    from torchckpt.state.shard_storage import decode_index
+    from torchckpt.state.sharded.shard_storage import decode_index
 
     body = {"format": "torchckpt.shards", "format_version": 1, "block_bytes": 1 << 20, "hash_algorithm": "crc32",
             "dcp_version": None, "tensors": {"w": {"dtype": "F32", "requires_grad": False, "size": [4], "chunks": [

@@ -280,7 +280,7 @@ def test_dropout_resumes_bitwise_only_when_the_global_rng_is_restored(tmp_path: 
 
 _KILL_IN_SAVE = """
 import os, signal, sys, torch
-import torchckpt.state.checkpointer as checkpointer
+import torchckpt.state.checkpointer.unsharded as checkpointer
 from torchckpt.integrations.lightning import TorchckptIO
 path, first = sys.argv[1], sys.argv[2] == "first"
 io = TorchckptIO()

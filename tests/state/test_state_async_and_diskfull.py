@@ -13,9 +13,9 @@ import torch
 from state_helpers import tiny_model
 from state_workers import bitwise_equal
 
-import torchckpt.state.storage as storage_module
+import torchckpt.state.storage.local as storage_module
 from torchckpt.state import Checkpointer, CheckpointWriteError
-from torchckpt.state.format import parse_step_dir_name, step_dir_name
+from torchckpt.state.format.layout import parse_step_dir_name, step_dir_name
 
 
 def test_async_save_captures_state_before_training_continues(run_dir):

@@ -13,7 +13,7 @@ from state_workers import bitwise_equal
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
 from torchckpt.state import Checkpointer, CheckpointError
-from torchckpt.state.staging import HostStaging
+from torchckpt.state.live.staging import HostStaging
 
 
 def _model_and_optimizer(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -14,7 +14,7 @@ from state_helpers import tiny_model
 from state_workers import bitwise_equal
 
 from torchckpt.state import Checkpointer, CheckpointFallbackWarning, verify_checkpoint
-from torchckpt.state.format import CORRUPT_PREFIX, parse_step_dir_name, step_dir_name
+from torchckpt.state.format.layout import CORRUPT_PREFIX, parse_step_dir_name, step_dir_name
 
 
 def _steps_on_disk(run_dir):

@@ -11,7 +11,7 @@ from state_helpers import tiny_model, trained
 from state_workers import bitwise_equal
 
 from torchckpt.state import Checkpointer
-from torchckpt.state.format import step_dir_name
+from torchckpt.state.format.layout import step_dir_name
 
 
 def test_ls_shows_steps_sizes_metrics_validity(run_dir, capsys):

@@ -11,7 +11,8 @@ import safetensors.torch
 import torch
 from state_workers import bitwise_equal
 
-from torchckpt.state.codec import (
+from torchckpt.state.errors import CheckpointCorruptError, UnsafeFileError, UnsupportedStateError
+from torchckpt.state.format.codec import (
     decode_json,
     decode_safetensors,
     encode_json,
@@ -19,11 +20,6 @@ from torchckpt.state.codec import (
     join_tensors,
     safetensors_chunks,
     split_tensors,
-)
-from torchckpt.state.errors import (
-    CheckpointCorruptError,
-    UnsafeFileError,
-    UnsupportedStateError,
 )
 
 DTYPES = [

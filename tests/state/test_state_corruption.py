@@ -18,7 +18,9 @@ from torchckpt.state import (
     CheckpointFallbackWarning,
     verify_checkpoint,
 )
-from torchckpt.state.format import CORRUPT_PREFIX, canonical_json, hash_bytes, step_dir_name
+from torchckpt.state.format.hashing import hash_bytes
+from torchckpt.state.format.layout import CORRUPT_PREFIX, step_dir_name
+from torchckpt.state.format.manifest import canonical_json
 
 
 def _truncate(path):

@@ -18,11 +18,11 @@ from state_helpers import tiny_model, trained
 
 from torchckpt.bench.distributed import free_port
 from torchckpt.state import Checkpointer, CheckpointFallbackWarning, export_model_weights
-from torchckpt.state.catalog import read_manifest
 from torchckpt.state.errors import CheckpointCorruptError, CheckpointMismatchError
-from torchckpt.state.format import step_dir_name
-from torchckpt.state.shard_storage import INDEX_NAME, chunk_key, decode_index
-from torchckpt.state.storage import open_storage
+from torchckpt.state.format.layout import step_dir_name
+from torchckpt.state.read.step import read_manifest
+from torchckpt.state.sharded.shard_storage import INDEX_NAME, chunk_key, decode_index
+from torchckpt.state.storage.backends import open_storage
 
 DISTRIBUTED = str(Path(__file__).resolve().parent.parent / "distributed")
 if DISTRIBUTED not in sys.path:

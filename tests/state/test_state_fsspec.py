@@ -10,7 +10,7 @@ from state_helpers import tiny_model
 from state_workers import bitwise_equal
 
 from torchckpt.state import Checkpointer, CheckpointLockedError, verify_checkpoint
-from torchckpt.state.format import step_dir_name
+from torchckpt.state.format.layout import step_dir_name
 
 fsspec = pytest.importorskip("fsspec")
 

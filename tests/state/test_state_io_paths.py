@@ -22,15 +22,11 @@ from torchckpt.state import (
     export_model_weights,
     verify_checkpoint,
 )
-from torchckpt.state.format import (
-    HASH_ALGORITHMS,
-    canonical_json,
-    hash_bytes,
-    new_hasher,
-    step_dir_name,
-)
-from torchckpt.state.staging import HostStaging
-from torchckpt.state.storage import PIECE_BYTES
+from torchckpt.state.format.hashing import HASH_ALGORITHMS, hash_bytes, new_hasher
+from torchckpt.state.format.layout import step_dir_name
+from torchckpt.state.format.manifest import canonical_json
+from torchckpt.state.live.staging import HostStaging
+from torchckpt.state.storage.base import PIECE_BYTES
 
 REFERENCE_DIGESTS = {  # each algorithm's one-shot digest from its own library, not through our registry
     "xxh3_128": xxhash.xxh3_128_hexdigest,

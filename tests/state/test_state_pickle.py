@@ -20,7 +20,9 @@ from torchckpt.state import (
     UnsafeFileError,
     import_torch_save,
 )
-from torchckpt.state.format import canonical_json, hash_bytes, parse_step_dir_name, step_dir_name
+from torchckpt.state.format.hashing import hash_bytes
+from torchckpt.state.format.layout import parse_step_dir_name, step_dir_name
+from torchckpt.state.format.manifest import canonical_json
 
 
 class _Payload:

@@ -10,7 +10,7 @@ import pytest
 from state_helpers import tiny_model
 
 from torchckpt.state import Checkpointer, CheckpointerConfig
-from torchckpt.state.format import parse_step_dir_name
+from torchckpt.state.format.layout import parse_step_dir_name
 
 
 def _saved(run_dir):

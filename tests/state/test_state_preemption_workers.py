@@ -17,7 +17,7 @@ from state_helpers import WORKERS, run_worker, tiny_model, worker_env
 from test_state_resume import TOTAL_STEPS, _reference, _segments
 
 from torchckpt.state import Checkpointer
-from torchckpt.state.format import parse_step_dir_name
+from torchckpt.state.format.layout import parse_step_dir_name
 
 # Every test here needs torchdata (the `train` extra); bench/cuda_check.sh collects this file where it is absent.
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader

@@ -8,8 +8,8 @@ import pytest
 from state_helpers import tiny_model
 
 from torchckpt.state import Checkpointer, RetentionPolicy
-from torchckpt.state.format import TMP_PREFIX, parse_step_dir_name, step_dir_name
-from torchckpt.state.retention import steps_to_keep
+from torchckpt.state.checkpointer.retention import steps_to_keep
+from torchckpt.state.format.layout import TMP_PREFIX, parse_step_dir_name, step_dir_name
 
 LOSSES = {1: 5.0, 2: 4.0, 3: 0.5, 4: 3.0, 5: 2.0, 6: 2.5, 7: 9.0}
 

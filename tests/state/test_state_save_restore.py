@@ -19,7 +19,9 @@ from torchckpt.state import (
     CheckpointMismatchError,
     UnsupportedStateError,
 )
-from torchckpt.state.format import canonical_json, hash_bytes, parse_step_dir_name
+from torchckpt.state.format.hashing import hash_bytes
+from torchckpt.state.format.layout import parse_step_dir_name
+from torchckpt.state.format.manifest import canonical_json
 
 
 def _setup(seed: int, tensor_lr: bool = True):

@@ -15,7 +15,8 @@ import torch
 
 from torchckpt import Checkpointer
 from torchckpt.state import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
-from torchckpt.state.format import FileEntry, Manifest, encode_manifest, hash_bytes, parse_manifest
+from torchckpt.state.format.hashing import hash_bytes
+from torchckpt.state.format.manifest import FileEntry, Manifest, encode_manifest, parse_manifest
 
 
 class TwoLayers(torch.nn.Module):

@@ -18,7 +18,7 @@ from cli_helpers import run_cli
 from state_helpers import tiny_model, trained
 from state_workers import bitwise_equal
 
-import torchckpt.state.catalog as catalog
+import torchckpt.state.read.step as step_reader
 from torchckpt.state import (
     CheckpointCorruptError,
     Checkpointer,
@@ -33,7 +33,9 @@ from torchckpt.state import (
     load,
     verify_checkpoint,
 )
-from torchckpt.state.format import canonical_json, hash_bytes, step_dir_name
+from torchckpt.state.format.hashing import hash_bytes
+from torchckpt.state.format.layout import step_dir_name
+from torchckpt.state.format.manifest import canonical_json
 
 
 @contextlib.contextmanager
@@ -318,7 +320,7 @@ def test_read_only_checkpointer_restores_beside_a_writer_and_refuses_save(run_di
 
 def _delete_step_2_after_its_manifest(monkeypatch, run_dir):
     """Retention by a live writer, deterministically: step 2 vanishes right after its manifest is read."""
-    real = catalog.parse_manifest
+    real = step_reader.parse_manifest
 
     def parse_then_delete(data, path):
         manifest = real(data, path)
@@ -326,7 +328,7 @@ def _delete_step_2_after_its_manifest(monkeypatch, run_dir):
             os.rename(_step2(run_dir), os.path.join(run_dir, ".trash-gone"))
         return manifest
 
-    monkeypatch.setattr(catalog, "parse_manifest", parse_then_delete)
+    monkeypatch.setattr(step_reader, "parse_manifest", parse_then_delete)
 
 
 @pytest.mark.parametrize("mode", ["full", "fast"])

@@ -23,7 +23,7 @@ from torchckpt.state import (
     CheckpointWriteError,
     load,
 )
-from torchckpt.state import storage as storage_module
+from torchckpt.state.storage import local as storage_module
 
 
 def test_a_path_that_is_a_file_is_refused_and_left_alone(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from torchckpt.state.format import parse_step_dir_name, step_dir_name
+from torchckpt.state.format.layout import parse_step_dir_name, step_dir_name
 from torchckpt.train import TrainConfig, read_losses, train
 
 # Tiny and single-threaded: on a shared 2-core machine, 2 OpenMP threads make tiny ops ~50x slower.

@@ -50,8 +50,8 @@ from torchckpt.state import (
     UnsupportedStateError,
     load,
 )
-from torchckpt.state.codec import split_tensors
-from torchckpt.state.storage import fsync_dir
+from torchckpt.state.format.codec import split_tensors
+from torchckpt.state.storage.local import fsync_dir
 
 __all__ = ["TorchckptIO"]
 

@@ -38,7 +38,7 @@ from torchckpt.models import BatchShape, ModelSpecError, gpt, load_model
 from torchckpt.planner import Plan, apply_plan, default_loss, plan_without_side_effects, preserved_state
 from torchckpt.planner.blocks import resolve_blocks
 from torchckpt.state import Checkpointer
-from torchckpt.state.format import step_dir_name
+from torchckpt.state.format.layout import step_dir_name
 from torchckpt.train.config import TrainConfig
 from torchckpt.train.data import ByteChunks, load_stdlib_corpus, make_loader
 from torchckpt.train.distributed import Ranks, join_process_group, shard_model

@@ -1,15 +1,4 @@
-"""On-disk layout of a training-state checkpoint, its manifest, and file hashing.
-
-Layout (``docs/design.md``, Note: [state layout])::
-
-    runs/exp/
-      step-000001200/
-        model.safetensors        tensors of the item ``model``
-        optimizer.safetensors    tensors of the item ``optimizer``
-        optimizer.json           the rest of its state_dict (param_groups, ...)
-        state.json               step, metrics, RNG streams, tensor-free items
-        manifest.json            written last: every file with size and hash
-      .tmp-step-000001300-<id>/  a save in flight (local back end); removed at start-up
+"""The manifest of a step: every file with its size and hash, written last, self-checked when read.
 
 Rules kept here (named in ``docs/design.md``; the design notes they keep in parentheses):
 
@@ -20,140 +9,31 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
 2. **[the manifest hashes itself]** The manifest hashes its own canonical JSON, so
    a flipped byte in the manifest itself is detected, not just in the files it
    lists.
-3. **[old hash names stay]** The manifest records the name of its file hash
-   algorithm; every name that was ever a default stays in :data:`HASH_ALGORITHMS`,
-   so a checkpoint written with an older default (``sha256``, before the zero-copy
-   I/O work) still verifies.
-4. **[hashes are incremental]** Hashes are incremental (``update`` per chunk): a
-   file is hashed while it is written or read, chunk by chunk, never as one more
-   pass over a joined copy.
-5. **[manifest fields have exact types]** Every manifest field must have the type a
+3. **[manifest fields have exact types]** Every manifest field must have the type a
    save writes: sizes and the step are ints (never bools, floats or ``Infinity``),
    times are finite numbers, metrics are numbers other than NaN, names and hashes
    are strings. Anything else, and JSON that does not parse at all (a number too
    long for Python's int conversion included), is a :class:`CheckpointCorruptError`
    naming the field: the step is corrupt and every reader goes on with the others.
+
+The file names of a step are in layout.py; the hash algorithms a manifest names in hashing.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import re
 import sys
-import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 from torchckpt.state.errors import CheckpointCorruptError
+from torchckpt.state.format.hashing import hash_bytes
 
 FORMAT_NAME = "torchckpt.state"
 FORMAT_VERSION = 1
-SHARDED_FORMAT_VERSION = 2  # a sharded step (sharded.py): older readers refuse it by version, naming an upgrade
-MANIFEST_NAME = "manifest.json"
-STATE_NAME = "state.json"
-LOCK_NAME = ".lock"
-TMP_PREFIX = ".tmp-"
-TRASH_PREFIX = ".trash-"
-CORRUPT_PREFIX = ".corrupt-"
-_STEP_RE = re.compile(r"^step-(\d{9,})$")
-
-
-def step_dir_name(step: int) -> str:
-    """Directory name of a committed step.
-
-    Example:
-        >>> step_dir_name(1200)
-        'step-000001200'
-    """
-    return f"step-{step:09d}"
-
-
-def parse_step_dir_name(name: str) -> int | None:
-    """Step number of a committed step directory name, or None for anything else.
-
-    Example:
-        >>> parse_step_dir_name("step-000001200"), parse_step_dir_name(".tmp-step-000000001-ab")
-        (1200, None)
-    """
-    match = _STEP_RE.match(name)
-    return int(match.group(1)) if match else None
-
-
-class Hasher(Protocol):
-    """An incremental hash: ``update`` with consecutive chunks, then ``hexdigest`` of all of them."""
-
-    def update(self, data: bytes | memoryview, /) -> None: ...
-    def hexdigest(self) -> str: ...
-
-
-class _Crc32:
-    """zlib's CRC-32 with the hashlib interface (it releases the GIL on large buffers, like hashlib)."""
-
-    def __init__(self) -> None:
-        self._value = 0
-
-    def update(self, data: bytes | memoryview) -> None:
-        self._value = zlib.crc32(data, self._value)
-
-    def hexdigest(self) -> str:
-        return f"{self._value & 0xFFFFFFFF:08x}"
-
-
-def _xxh3_128() -> Hasher:
-    try:
-        import xxhash  # a dependency (pyproject.toml); imported lazily so a broken install names the fix
-    except ImportError:
-        raise ValueError(
-            "hash algorithm 'xxh3_128' needs the xxhash package, which is not installed. "
-            "Fix: pip install xxhash (or pass hash_algorithm='sha256')"
-        ) from None
-    return xxhash.xxh3_128()
-
-
-# Registry of incremental hashers by the name a manifest records (an explicit registry,
-# Note: [no global state but registries]). Every name ever written stays here, so old checkpoints keep
-# verifying ([old hash names stay]). xxh3_128 is the default since the zero-copy I/O work: ~15 GB/s here
-# against ~1.5 GB/s for sha256 (which was the default before and made hashing as slow as the disk);
-# measured in bench/state/bench_hash.py.
-HASH_ALGORITHMS: Mapping[str, Callable[[], Hasher]] = {
-    "xxh3_128": _xxh3_128,
-    "sha256": hashlib.sha256,
-    "blake2b": hashlib.blake2b,
-    "crc32": _Crc32,
-}
-DEFAULT_HASH_ALGORITHM = "xxh3_128"
-
-
-def new_hasher(algorithm: str) -> Hasher:
-    """A fresh incremental hasher for a manifest hash algorithm.
-
-    Example:
-        >>> hasher = new_hasher("crc32"); hasher.update(b"a"); hasher.update(b"bc"); hasher.hexdigest()
-        '352441c2'
-    """
-    try:
-        factory = HASH_ALGORITHMS[algorithm]
-    except KeyError:
-        raise ValueError(
-            f"hash algorithm {algorithm!r} is unknown; expected one of {sorted(HASH_ALGORITHMS)}. "
-            "Fix: pick one of those (a manifest naming another was written by a newer torchckpt: upgrade)"
-        ) from None
-    return factory()
-
-
-def hash_bytes(data: bytes | memoryview, algorithm: str) -> str:
-    """Hex digest of ``data`` with a manifest hash algorithm.
-
-    Example:
-        >>> hash_bytes(b"abc", "crc32"), hash_bytes(b"abc", "xxh3_128")
-        ('352441c2', '06b05ab6733a618578af5f94892f3950')
-    """
-    hasher = new_hasher(algorithm)
-    hasher.update(data)
-    return hasher.hexdigest()
+SHARDED_FORMAT_VERSION = 2  # a sharded step (sharded/save.py): older readers refuse it by version, naming an upgrade
 
 
 def canonical_json(value: Any) -> bytes:

@@ -1,7 +1,11 @@
 """The fsspec back end of checkpoint storage (``s3://``, ``gs://``, ``memory://``, ...).
 
-No atomic rename exists there, so the manifest, written last, is the commit mark
-(storage.py's [manifest is the commit mark]).
+Rules kept here (named in ``docs/design.md``; the design notes they keep in parentheses):
+
+1. **[manifest is the commit mark]** (Note: [no manifest, no checkpoint]) Remote
+   commit (fsspec, no atomic rename): files go straight into ``step-N/`` and the
+   manifest is written last; it is the commit mark. Removal deletes the manifest
+   first, so a half-removed step is never trusted.
 """
 
 from __future__ import annotations
@@ -11,15 +15,16 @@ import uuid
 from collections.abc import Callable, Iterable
 
 from torchckpt.state.errors import CheckpointError, CheckpointLockedError, CheckpointWriteError
-from torchckpt.state.format import LOCK_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
-from torchckpt.state.storage import ABANDONED_DIR, Buffer, describe_holder, holder_record, read_pieces, write_error
+from torchckpt.state.format.layout import ABANDONED_DIR, LOCK_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
+from torchckpt.state.process.lockfile import describe_holder, holder_record
+from torchckpt.state.storage.base import Buffer, read_pieces, write_error
 
 __all__ = ["FsspecStorage"]
 
 
 class FsspecStorage:
     """A checkpoint directory behind an fsspec URL; the manifest is the commit mark
-    (storage.py's [manifest is the commit mark])."""
+    ([manifest is the commit mark])."""
 
     def __init__(self, url: str) -> None:
         try:
@@ -94,11 +99,11 @@ class FsspecStorage:
     def _remove_entry(self, entry: str) -> None:
         manifest = self._inner(entry, MANIFEST_NAME)
         if self._fs.exists(manifest):
-            self._fs.rm(manifest)  # un-commit first (storage.py's [manifest is the commit mark])
+            self._fs.rm(manifest)  # un-commit first ([manifest is the commit mark])
         self._fs.rm(self._inner(entry), recursive=True)
 
     def remove_step(self, step: int) -> None:
-        """Delete a committed step, manifest first (storage.py's [manifest is the commit mark])."""
+        """Delete a committed step, manifest first ([manifest is the commit mark])."""
         self._remove_entry(step_dir_name(step))
 
     def abandon_step(self, step: int) -> str:
@@ -114,7 +119,7 @@ class FsspecStorage:
 
     def clean_leftovers(self) -> list[str]:
         """Delete step directories that have no manifest; only call with the lock
-        (storage.py's [only the lock holder cleans])."""
+        (base.py's [only the lock holder cleans])."""
         removed = [
             entry
             for entry in self.step_entries().values()

@@ -1,13 +1,14 @@
-"""Writing one file of a step while a second thread hashes it (checkpointer.py's [hash while writing])."""
+"""Writing one file of a step while a second thread hashes it (checkpointer/checkpointer.py's [hash while writing])."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from torchckpt.state.format import FileEntry, new_hasher
-from torchckpt.state.snapshot import FileChunks
-from torchckpt.state.storage import StepWriter, split_pieces
+from torchckpt.state.format.hashing import new_hasher
+from torchckpt.state.format.manifest import FileEntry
+from torchckpt.state.format.snapshot import FileChunks
+from torchckpt.state.storage.base import StepWriter, split_pieces
 
 
 def write_hashed(
@@ -18,7 +19,7 @@ def write_hashed(
 
     Example:
         >>> import tempfile
-        >>> from torchckpt.state.storage import open_storage
+        >>> from torchckpt.state.storage.backends import open_storage
         >>> tmp = tempfile.TemporaryDirectory(); writer = open_storage(tmp.name).begin_step(1)
         >>> with ThreadPoolExecutor(max_workers=1) as pool:
         ...     write_hashed(writer, "a.bin", [b"abc"], "sha256", pool).size_bytes
@@ -55,7 +56,7 @@ def write_files_hashed(writer: StepWriter, files: Mapping[str, FileChunks], algo
 
     Example:
         >>> import tempfile
-        >>> from torchckpt.state.storage import open_storage
+        >>> from torchckpt.state.storage.backends import open_storage
         >>> tmp = tempfile.TemporaryDirectory(); writer = open_storage(tmp.name).begin_step(1)
         >>> sorted(write_files_hashed(writer, {"a.json": [b"{}"], "b.json": [b"[]"]}, "crc32"))
         ['a.json', 'b.json']

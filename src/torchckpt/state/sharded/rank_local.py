@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchckpt.state.errors import CheckpointMismatchError
-from torchckpt.state.format import STATE_NAME
-from torchckpt.state.rank_group import rank_prefix
-from torchckpt.state.snapshot import decode_snapshot
-
-if TYPE_CHECKING:
-    from torchckpt.state.sharded_restore import ShardedStep
+from torchckpt.state.format.layout import STATE_NAME
+from torchckpt.state.format.snapshot import decode_snapshot
+from torchckpt.state.live.capture import check_rng
+from torchckpt.state.read.load import apply_snapshot
+from torchckpt.state.sharded.rank_group import rank_prefix
+from torchckpt.state.sharded.step import ShardedStep
 
 
 class ElasticResumeWarning(UserWarning):
@@ -38,8 +38,6 @@ def prepare_rank_local(step: ShardedStep, rank: int, world: int, items: Mapping[
         >>> prepare_rank_local  # doctest: +ELLIPSIS
         <function prepare_rank_local at ...>
     """
-    from torchckpt.state.reader import apply_snapshot, check_rng
-
     saved_world = step.manifest.world_size or 1
     same_world = world == saved_world
     prefix = rank_prefix(rank if same_world else 0, saved_world)

@@ -20,7 +20,7 @@ import os
 import stat
 from collections.abc import Callable
 
-from torchckpt.state.storage import read_pieces
+from torchckpt.state.storage.base import read_pieces
 
 MANIFEST_MAX_BYTES = 64 << 20
 STREAM_PIECE_BYTES = 16 << 20
@@ -49,7 +49,7 @@ def open_in_step(step_dir: str, name: str) -> int:
         >>> open_in_step(tmp.name, "m.json")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        torchckpt.state.local_files.RefusedFileError: .../m.json: a symlink to /dev/zero, outside its step ...
+        torchckpt.state.storage.local_files.RefusedFileError: .../m.json: a symlink to /dev/zero, outside its step ...
         >>> tmp.cleanup()
     """
     path = os.path.join(step_dir, name)
@@ -106,7 +106,7 @@ def read_capped(step_dir: str, name: str, max_bytes: int = MANIFEST_MAX_BYTES) -
         >>> read_capped(tmp.name, "a", max_bytes=3)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        torchckpt.state.local_files.RefusedFileError: .../a: holds 4 bytes or more; at most 3 are read ...
+        torchckpt.state.storage.local_files.RefusedFileError: .../a: holds 4 bytes or more; at most 3 are read ...
         >>> tmp.cleanup()
     """
     with os.fdopen(open_in_step(step_dir, name), "rb", buffering=0) as handle:

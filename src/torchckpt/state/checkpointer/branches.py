@@ -16,7 +16,7 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
 
 from __future__ import annotations
 
-from torchckpt.state.storage import Storage
+from torchckpt.state.storage.base import Storage
 
 
 def abandon_newer_steps(storage: Storage, step: int) -> list[str]:
@@ -24,7 +24,7 @@ def abandon_newer_steps(storage: Storage, step: int) -> list[str]:
 
     Example:
         >>> import tempfile
-        >>> from torchckpt.state.storage import open_storage
+        >>> from torchckpt.state.storage.backends import open_storage
         >>> tmp = tempfile.TemporaryDirectory()
         >>> abandon_newer_steps(open_storage(tmp.name), 5)  # nothing newer than 5
         []

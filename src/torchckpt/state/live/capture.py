@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from torchckpt._host import RngSnapshot
-from torchckpt.state.errors import CheckpointMismatchError
+from torchckpt.state.errors import CheckpointCorruptError, CheckpointMismatchError
 
 RESERVED_ITEM_NAMES = frozenset({"state", "manifest", "metrics", "rng", "step"})
 _ITEM_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")
@@ -373,3 +373,31 @@ def check_rng_devices(state: Mapping[str, Any], source: str) -> None:
                 f"has {found}; resume cannot be bit-exact. Fix: run on the same devices, or pass "
                 "restore(..., rng=False) to keep this process's RNG state."
             )
+
+
+def check_rng(rng: Mapping[str, Any], source: str) -> None:
+    """Raise :class:`CheckpointCorruptError` unless ``rng`` (a decoded RNG entry) can be restored; changes no
+    RNG stream: each state is tried on a fresh generator (read/load.py's [the whole step checks before anything
+    changes]).
+
+    Example:
+        >>> check_rng({"python": (3, (1,), None)}, "step-000000001/state.json")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        torchckpt.state.errors.CheckpointCorruptError: step-000000001/state.json: malformed RNG entry ...
+    """
+    try:
+        random.Random().setstate(rng["python"])
+        np.random.RandomState().set_state(rng["numpy"])
+        torch.Generator().set_state(torch.from_numpy(_bytes_of(rng["torch_cpu"])))
+        for text in rng["cuda"]:
+            _bytes_of(text)
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, OverflowError) as error:
+        problem = f"malformed RNG entry ({type(error).__name__}: {error}); nothing was restored from this step"
+        raise CheckpointCorruptError(f"{source}: {problem}", {source: problem}) from None
+
+
+def _bytes_of(text: str) -> np.ndarray:
+    if not isinstance(text, str):
+        raise TypeError(f"expected base64 text, found {type(text).__name__}")
+    return np.frombuffer(base64.b64decode(text, validate=True), dtype=np.uint8).copy()

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from torchckpt.state.codec import (
+from torchckpt.state.errors import CheckpointCorruptError
+from torchckpt.state.format.codec import (
     decode_json,
     decode_safetensors,
     encode_json,
@@ -32,9 +33,8 @@ from torchckpt.state.codec import (
     safetensors_chunks,
     split_tensors,
 )
-from torchckpt.state.errors import CheckpointCorruptError
-from torchckpt.state.format import STATE_NAME
-from torchckpt.state.staging import HostStaging, to_host
+from torchckpt.state.format.layout import STATE_NAME
+from torchckpt.state.live.staging import HostStaging, to_host
 
 FileChunks = list[bytes | memoryview]
 

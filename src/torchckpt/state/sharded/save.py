@@ -1,7 +1,7 @@
 """Sharded checkpoints, the save: every rank writes its part in parallel; a vote commits the step.
 
 A Checkpointer built while a process group is initialised (or with ``sharded=True``) saves through here
-(sharded_restore.py reads on any world size). Models and optimizers go through
+(restore.py reads on any world size). Models and optimizers (items.py) go through
 ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``, ``get_optimizer_state_dict``: keys are
 parameter names, the same under DDP, FSDP2 or none) and DCP's planners, with shard_storage.py's pickle-free
 storage layer. Every other item (scheduler, data loader, plain dicts) and the RNG streams are this rank's
@@ -29,99 +29,21 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from torchckpt._host import local_part
-from torchckpt.state.capture import capture_item, check_item_name
-from torchckpt.state.codec import encode_json, split_tensors
 from torchckpt.state.errors import CheckpointError, CheckpointWriteError
-from torchckpt.state.format import STATE_NAME, FileEntry, Manifest, encode_manifest, hash_bytes
-from torchckpt.state.hashed_write import write_files_hashed
-from torchckpt.state.rank_group import RankGroup, RankLostError, dcp_failures, rank_prefix
-from torchckpt.state.shard_storage import ShardWriter, write_hashed_bytes
-from torchckpt.state.snapshot import encode_snapshot
-from torchckpt.state.staging import HostStaging
-from torchckpt.state.storage import StepWriter, Storage
+from torchckpt.state.format.codec import encode_json, split_tensors
+from torchckpt.state.format.hashing import hash_bytes
+from torchckpt.state.format.layout import STATE_NAME
+from torchckpt.state.format.manifest import FileEntry, Manifest, encode_manifest
+from torchckpt.state.format.snapshot import encode_snapshot
+from torchckpt.state.live.capture import capture_item, check_item_name
+from torchckpt.state.live.staging import HostStaging
+from torchckpt.state.sharded.items import is_data_position, is_sharded_item, live_state, pair_optimizers
+from torchckpt.state.sharded.rank_group import RankGroup, RankLostError, dcp_failures, rank_prefix
+from torchckpt.state.sharded.shard_storage import ShardWriter, write_hashed_bytes
+from torchckpt.state.storage.base import StepWriter, Storage
+from torchckpt.state.storage.hashed_write import write_files_hashed
 
 _T = TypeVar("_T")
-
-# ----- items ---------------------------------------------------------------------------------------
-
-
-def is_sharded_item(obj: object) -> bool:
-    """True for items saved through DCP: modules and optimizers.
-
-    Example:
-        >>> is_sharded_item(torch.nn.Linear(1, 1)), is_sharded_item({"epoch": 1})
-        (True, False)
-    """
-    return isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))
-
-
-def _is_data_position(obj: object) -> bool:
-    return isinstance(obj, (torch.utils.data.DataLoader, torch.utils.data.Sampler))
-
-
-def pair_optimizers(items: Mapping[str, Any]) -> dict[str, str]:
-    """Each optimizer item's model item: the module holding all its parameters.
-
-    Example:
-        >>> model = torch.nn.Linear(2, 2)
-        >>> pair_optimizers({"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1)})
-        {'opt': 'model'}
-    """
-    pairs = {}
-    modules = {name: obj for name, obj in items.items() if isinstance(obj, torch.nn.Module)}
-    for name, obj in items.items():
-        if not isinstance(obj, torch.optim.Optimizer):
-            continue
-        wanted = {id(p) for group in obj.param_groups for p in group["params"]}
-        owners = [m for m, module in modules.items() if wanted <= {id(p) for p in module.parameters()}]
-        if not owners:
-            raise ValueError(
-                f"item {name!r} is an optimizer but no module item passed with it holds all its parameters; a "
-                "sharded checkpoint names optimizer state by parameter name. Fix: pass the model in the same "
-                f"call (e.g. model=model, {name}={name}).")
-        pairs[name] = owners[0]
-    return pairs
-
-
-def live_state(name: str, obj: Any, items: Mapping[str, Any], pairs: Mapping[str, str],
-               keep_initialised: bool = False) -> Any:
-    """The state dict DCP's ``state_dict`` API gives for item ``name``: keys are parameter names (no DDP
-    ``module.`` prefix), FSDP2's tensors stay DTensors; an optimizer's state is keyed by its model's names.
-
-    For an optimizer that has no state yet, DCP first takes an optimizer step with zero gradients and learning
-    rate 0 to create it; that state is undone (training goes on as if nothing happened) and an empty state is
-    returned, unless ``keep_initialised`` (a restore uses its tensors as the shapes to read into).
-
-    Example:
-        >>> sorted(live_state("model", torch.nn.Linear(1, 1), {}, {}))
-        ['bias', 'weight']
-        >>> model = torch.nn.Linear(1, 1); adam = torch.optim.Adam(model.parameters())
-        >>> live_state("adam", adam, {"model": model}, {"adam": "model"})["state"], len(adam.state)
-        ({}, 0)
-    """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    if not isinstance(obj, torch.optim.Optimizer):
-        return get_model_state_dict(obj)
-    fresh, count = not obj.state, getattr(obj, "_step_count", None)  # LR schedulers count optimizer steps
-    state = get_optimizer_state_dict(items[pairs[name]], obj)
-    if fresh and not keep_initialised:
-        forget_initialised_state(obj, count)
-        state["state"] = {}
-    return state
-
-
-def forget_initialised_state(optimizer: torch.optim.Optimizer, step_count: int | None) -> None:
-    """Undo the state DCP created on an optimizer that had none (its zero-gradient, zero-learning-rate step).
-
-    Example:
-        >>> adam = torch.optim.Adam(torch.nn.Linear(1, 1).parameters()); adam.state[0] = {"step": 1}
-        >>> forget_initialised_state(adam, None); len(adam.state)
-        0
-    """
-    optimizer.state.clear()
-    if step_count is not None:
-        optimizer._step_count = step_count  # type: ignore[attr-defined]
 
 
 def _digest(tree: Any, tensors: Mapping[str, torch.Tensor]) -> str:
@@ -179,7 +101,7 @@ def snapshot_sharded(step: int, items: Mapping[str, Any], metrics: Mapping[str, 
     return ShardedSnapshot(step=step, tensors=tensors, trees=trees, kinds=kinds, pairs=pairs,
                            local_files={prefix + n: list(chunks) for n, chunks in files.items()},
                            local_digests=digests, metrics=metrics,
-                           data_position=[n for n in local if _is_data_position(items[n])])
+                           data_position=[n for n in local if is_data_position(items[n])])
 
 
 def _staged(tensors: Mapping[str, torch.Tensor], staging: HostStaging) -> dict[str, torch.Tensor]:

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from torchckpt.state.storage import Storage
+from torchckpt.state.read.catalog import inspect_step
+from torchckpt.state.storage.base import Storage
 
 KEEP_BEST_MODES = ("min", "max")
 
@@ -99,11 +98,9 @@ def apply_retention(storage: Storage, policy: RetentionPolicy) -> None:
     commit]); steps that are not valid are left alone.
 
     Example:
-        >>> from torchckpt.state.storage import open_storage
+        >>> from torchckpt.state.storage.backends import open_storage
         >>> apply_retention(open_storage("/nonexistent"), RetentionPolicy(keep_last=1))
     """
-    from torchckpt.state.catalog import inspect_step  # catalog imports the storage layer; keep this module light
-
     if policy.keeps_everything:
         return
     infos = [inspect_step(storage, step, "fast") for step in storage.step_entries()]

@@ -18,6 +18,8 @@ iterator, while the new one has already drawn its workers' base seed from torch'
 starts that epoch again and draws it again, so the streams saved are those captured at the last
 ``maybe_save``/``save`` (kept with the resume point). Random numbers the loop itself draws between that
 call and the next epoch's first batch are then not replayed (docs/state.md, preemption).
+
+The Checkpointer is reached only through its public hook, :class:`SafePointSaver`.
 """
 
 from __future__ import annotations
@@ -26,9 +28,28 @@ import sys
 import weakref
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 _LOADER_FILES = ("/torch/utils/data/dataloader.py", "/torchdata/stateful_dataloader/stateful_dataloader.py")
+
+
+class SafePointSaver(Protocol):
+    """What a preemption at a safe point needs of a Checkpointer: its public hook (the Checkpointer has it)."""
+
+    @property
+    def saves_collectively(self) -> bool:
+        """True when the ranks of a process group save together: no rank saves at a safe point alone."""
+        ...
+
+    @property
+    def has_resume_point(self) -> bool:
+        """True once a step was passed to ``maybe_save``/``save``: the last complete one."""
+        ...
+
+    def save_resume_point_and_exit(self, *, rng_of_resume_point: bool) -> None:
+        """Save the last complete step and exit 0 (raises ``SystemExit``); ``rng_of_resume_point``: save the RNG
+        streams captured with that step, not this moment's."""
+        ...
 
 
 def waiting_for_data(frame: FrameType | None) -> bool:
@@ -68,12 +89,13 @@ def _is_wait(frame: FrameType) -> bool:
     return code.co_name == "_try_get_data" and code.co_filename.endswith(_LOADER_FILES)
 
 
-def on_request_for(ckpt: Any) -> Callable[[FrameType | None], None]:
+def on_request_for(ckpt: SafePointSaver) -> Callable[[FrameType | None], None]:
     """The preemption callback of ``ckpt`` (held weakly: a signal handler never keeps it alive).
 
     Example:
         >>> class Job:
-        ...     _resume_point = None
+        ...     saves_collectively = has_resume_point = False
+        ...     def save_resume_point_and_exit(self, *, rng_of_resume_point): raise SystemExit(0)
         >>> job = Job(); callback = on_request_for(job); callback(None)  # not waiting for data: nothing
     """
     ref = weakref.ref(ckpt)
@@ -90,9 +112,8 @@ def on_request_for(ckpt: Any) -> Callable[[FrameType | None], None]:
 
     def on_request(frame: FrameType | None) -> None:
         target = ref()
-        ranks = getattr(target, "_ranks", None)
-        if ranks is not None and ranks.world_size > 1:
-            return  # a sharded save is collective: the ranks save together at the next maybe_save (checkpointer.py)
+        if target is not None and target.saves_collectively:
+            return  # a sharded save is collective: the ranks save together at the next maybe_save
         if not traced and sys.gettrace() is None:
             traced.append(True)
             sys.settrace(on_call)
@@ -101,13 +122,12 @@ def on_request_for(ckpt: Any) -> Callable[[FrameType | None], None]:
                 if _is_wait(caller):
                     caller.f_trace = on_exception
                 caller = caller.f_back
-        if not busy and target is not None and target._resume_point is not None and waiting_for_data(frame):
+        if not busy and target is not None and target.has_resume_point and waiting_for_data(frame):
             busy.append(True)  # a later tick must not start a second save from inside this one
             if traced and sys.gettrace() is on_call:
                 sys.settrace(None)
-            step, metrics, items, rng = target._resume_point
             # A new epoch's iterator that is still starting drew from torch's RNG already, and the loader
             # still reports the previous (finished) iterator: save the streams of the last complete step.
-            target._save_and_exit(step, metrics, items, rng if starting_epoch(frame) else None)  # SystemExit(0)
+            target.save_resume_point_and_exit(rng_of_resume_point=starting_epoch(frame))  # SystemExit(0)
 
     return on_request

@@ -38,12 +38,8 @@ import safetensors.torch
 import torch
 
 from torchckpt._host import local_part
-from torchckpt.state.errors import (
-    CheckpointCorruptError,
-    UnsafeFileError,
-    UnsupportedStateError,
-)
-from torchckpt.state.format import json_problem
+from torchckpt.state.errors import CheckpointCorruptError, UnsafeFileError, UnsupportedStateError
+from torchckpt.state.format.manifest import json_problem
 
 _TAG = "__torchckpt__"
 _SCALARS = (bool, int, float, str, type(None))

@@ -1,7 +1,4 @@
-"""Where checkpoint bytes live: the local filesystem, or any fsspec URL; atomic commit protocols.
-
-This module holds the interfaces, the local back end and the helpers both back ends share; the fsspec
-back end is ``storage_fsspec.py``.
+"""A checkpoint directory on a local (POSIX) filesystem: atomic commit by rename.
 
 Rules kept here (named in ``docs/design.md``; the design notes they keep in parentheses):
 
@@ -10,30 +7,23 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
    ``manifest.json`` is written and fsynced, then the temp directory is fsynced,
    renamed to ``step-N`` and the parent is fsynced. A crash at any point leaves
    either no ``step-N`` or a complete one.
-2. **[manifest is the commit mark]** (Note: [no manifest, no checkpoint]) Remote
-   commit (fsspec, no atomic rename): files go straight into ``step-N/`` and the
-   manifest is written last; it is the commit mark. Removal deletes the manifest
-   first, so a half-removed step is never trusted.
-3. **[only the lock holder cleans]** (Note: [retention spares the newest and the unfinished])
-   Only a writer holding the lock cleans leftovers (``.tmp-*``, ``.trash-*``, remote
-   steps without a manifest), so it never deletes a save that another live process
-   is still writing.
-4. **[delete by renaming to trash]** Retention removes a local step by renaming it
+2. **[delete by renaming to trash]** Retention removes a local step by renaming it
    to ``.trash-*`` first, so a crash mid-delete never leaves a half-deleted
    ``step-N``.
+
+Leftovers are cleaned only with the lock (base.py's [only the lock holder cleans]).
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterable
 
-from torchckpt.state.errors import CheckpointError, CheckpointWriteError, fix_for_os_error
-from torchckpt.state.format import (
+from torchckpt.state.errors import CheckpointError, fix_for_os_error
+from torchckpt.state.format.layout import (
+    ABANDONED_DIR,
     CORRUPT_PREFIX,
     LOCK_NAME,
     MANIFEST_NAME,
@@ -42,85 +32,9 @@ from torchckpt.state.format import (
     parse_step_dir_name,
     step_dir_name,
 )
-from torchckpt.state.lockfile import HeldLock, acquire
-from torchckpt.state.lockfile import describe_holder as describe_holder  # re-exported for storage_fsspec.py
-from torchckpt.state.lockfile import holder_record as holder_record
-
-ABANDONED_DIR = "abandoned"  # where the steps of an abandoned branch go (branches.py)
-
-# Files are written and read in pieces of this size: small enough that hashing piece k overlaps
-# writing/reading piece k+1 in another thread, large enough that syscalls cost nothing
-# (Note: [hash while writing], Note: [one read per file]).
-PIECE_BYTES = 16 << 20
-
-Buffer = bytes | memoryview
-
-
-class StepWriter(Protocol):
-    """Writes the files of one step, then commits them (or aborts).
-
-    ``entry`` names where the files go (a temp directory, or the step directory on fsspec), so that other
-    ranks of a sharded save can join it (:meth:`Storage.join_step`)."""
-
-    entry: str
-
-    def write(self, name: str, chunks: Iterable[Buffer], total_bytes: int) -> int: ...
-    def commit(self, manifest: bytes) -> None: ...
-    def abort(self) -> None: ...
-
-
-class Storage(Protocol):
-    """A checkpoint directory on some filesystem (see :func:`open_storage`)."""
-
-    location: str
-
-    def path_of(self, entry: str, name: str | None = None) -> str: ...
-    def step_entries(self) -> dict[int, str]: ...
-    def read_file(self, entry: str, name: str) -> bytes: ...
-    def read_into(
-        self, entry: str, name: str, into: memoryview, on_piece: Callable[[memoryview], None] | None
-    ) -> int: ...
-    def file_size(self, entry: str, name: str) -> int | None: ...
-    def begin_step(self, step: int) -> StepWriter: ...
-    def join_step(self, step: int, entry: str) -> StepWriter: ...
-    def read_range(self, entry: str, name: str, offset: int, length: int) -> bytes | bytearray: ...
-    def remove_step(self, step: int) -> None: ...
-    def abandon_step(self, step: int) -> str: ...
-    def clean_leftovers(self) -> list[str]: ...
-    def acquire_lock(self) -> None: ...
-    def release_lock(self) -> None: ...
-
-
-def open_storage(location: str | os.PathLike[str]) -> Storage:
-    """Storage for a local path or an fsspec URL (``s3://``, ``memory://``, ...).
-
-    Example:
-        >>> open_storage("/tmp/torchckpt-doctest").location
-        '/tmp/torchckpt-doctest'
-    """
-    text = os.fspath(location)
-    if "://" in text and not text.startswith("file://"):
-        from torchckpt.state.storage_fsspec import FsspecStorage  # here: it imports this module's helpers
-
-        return FsspecStorage(text)
-    return LocalStorage(text.removeprefix("file://"))
-
-
-def write_error(path: str, error: OSError, done_bytes: int, total_bytes: int) -> CheckpointWriteError:
-    """The error a failed write raises: the path, bytes written so far, the cause, and its fix.
-
-    Example:
-        >>> print(write_error("run/x", OSError(errno.ENOSPC, "full"), 1, 4))  # doctest: +ELLIPSIS
-        run/x: save failed after writing 1 of 4 bytes: no space left on device ...
-        >>> print(write_error("run/x", OSError(errno.EROFS, "Read-only file system"), 0, 4))  # doctest: +ELLIPSIS
-        run/x: save failed after writing 0 of 4 bytes: read-only file system ... Fix: the filesystem is read-only...
-    """
-    reason = "no space left on device" if error.errno == errno.ENOSPC else os.strerror(error.errno or 0).lower()
-    return CheckpointWriteError(
-        f"{path}: save failed after writing {done_bytes} of {total_bytes} bytes: {reason} "
-        f"({error}). The partial save was discarded; earlier checkpoints are untouched. "
-        f"Fix: {fix_for_os_error(error)}, then save again."
-    )
+from torchckpt.state.process.lockfile import HeldLock, acquire
+from torchckpt.state.storage.base import Buffer, Storage, read_pieces, write_error
+from torchckpt.state.storage.local_files import open_in_step
 
 
 def _write_fully(fd: int, data: bytes | memoryview) -> int:
@@ -130,50 +44,6 @@ def _write_fully(fd: int, data: bytes | memoryview) -> int:
     while done < len(view):
         done += os.write(fd, view[done : done + (64 << 20)])
     return done
-
-
-def split_pieces(chunks: Iterable[Buffer], piece_bytes: int = PIECE_BYTES) -> Iterator[memoryview]:
-    """The bytes of ``chunks``, in order, as views of at most ``piece_bytes`` each (no copies).
-
-    Example:
-        >>> [bytes(piece) for piece in split_pieces([b"abcde", b"", b"f"], piece_bytes=2)]
-        [b'ab', b'cd', b'e', b'f']
-    """
-    for chunk in chunks:
-        view = memoryview(chunk).cast("B")
-        for start in range(0, len(view), piece_bytes):
-            yield view[start : start + piece_bytes]
-
-
-class Readable(Protocol):
-    """A binary file open for reading: a local file (``open(..., "rb")``) or an fsspec one."""
-
-    def readinto(self, buffer: memoryview, /) -> int | None: ...
-    def read(self, size: int = -1, /) -> bytes: ...
-
-
-def read_pieces(handle: Readable, into: memoryview, on_piece: Callable[[memoryview], None] | None) -> int:
-    """Fill ``into`` from ``handle`` piece by piece, calling ``on_piece`` on each piece as it lands.
-
-    Without ``on_piece`` (nothing to hash) it asks for the whole rest at once.
-    Returns the bytes read, plus one if the file holds more than ``len(into)`` bytes.
-
-    Example:
-        >>> import io
-        >>> into = memoryview(bytearray(3))
-        >>> read_pieces(io.BytesIO(b"abcd"), into, None), bytes(into)
-        (4, b'abc')
-    """
-    done = 0
-    piece_bytes = PIECE_BYTES if on_piece is not None else len(into)
-    while done < len(into):
-        count = handle.readinto(into[done : done + piece_bytes])
-        if not count:
-            return done
-        if on_piece is not None:
-            on_piece(into[done : done + count])
-        done += count
-    return done + len(handle.read(1))
 
 
 def fsync_dir(path: str) -> None:
@@ -268,8 +138,6 @@ class LocalStorage:
         """Up to ``length`` bytes of one file from ``offset`` (fewer at its end; FileNotFoundError if missing).
 
         Only a regular file inside the step is read (local_files.py's [only regular files are read])."""
-        from torchckpt.state.local_files import open_in_step  # it imports this module
-
         fd = open_in_step(self.path_of(entry), name)
         try:
             length = max(0, min(length, os.fstat(fd).st_size - offset))  # never more than the file holds
@@ -296,7 +164,7 @@ class LocalStorage:
         shutil.rmtree(self.path_of(trash), ignore_errors=True)
 
     def abandon_step(self, step: int) -> str:
-        """Move a committed step of an abandoned branch to ``abandoned/`` (one rename; branches.py)."""
+        """Move a committed step of an abandoned branch to ``abandoned/`` (one rename; checkpointer/branches.py)."""
         entry = step_dir_name(step)
         folder = self.path_of(ABANDONED_DIR)
         os.makedirs(folder, exist_ok=True)
@@ -316,7 +184,7 @@ class LocalStorage:
 
     def clean_leftovers(self) -> list[str]:
         """Delete temp and trash directories of interrupted saves; only call with the lock
-        ([only the lock holder cleans])."""
+        (base.py's [only the lock holder cleans])."""
         if not os.path.isdir(self.location):
             return []
         removed = [n for n in os.listdir(self.location) if n.startswith((TMP_PREFIX, TRASH_PREFIX))]
@@ -325,7 +193,7 @@ class LocalStorage:
         return removed
 
     def acquire_lock(self) -> None:
-        """Take the writer lock (``flock``; released by the kernel if the process dies; lockfile.py)."""
+        """Take the writer lock (``flock``; released by the kernel if the process dies; process/lockfile.py)."""
         self._ensure_root()
         self._lock = acquire(self.location, LOCK_NAME)
 
@@ -394,3 +262,13 @@ class _LocalStepWriter:
         except OSError as error:
             self.abort()
             raise write_error(path, error, progress[0] if progress else 0, total) from error
+
+
+def local_step_dir(storage: Storage, entry: str) -> str | None:
+    """The local directory of a step entry, or None when ``storage`` is not a local directory (remote.py).
+
+    Example:
+        >>> local_step_dir(LocalStorage("/tmp/run"), "step-000000001")
+        '/tmp/run/step-000000001'
+    """
+    return storage.path_of(entry) if isinstance(storage, LocalStorage) else None

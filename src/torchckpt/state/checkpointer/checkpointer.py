@@ -48,37 +48,28 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from torchckpt.state.branches import abandon_newer_steps
-from torchckpt.state.capture import (
-    capture_item,
-    capture_rng,
-    check_item_name,
-)
-from torchckpt.state.catalog import (
-    CheckpointInfo,
-    VerifyMode,
-    check_step_free,
-    check_verify_mode,
-    inspect_step,
-    valid_committed,
-)
-from torchckpt.state.config import CheckpointerConfig, check_metric_name, check_step
-from torchckpt.state.errors import (
-    CheckpointError,
-)
-from torchckpt.state.format import Manifest, encode_manifest, metric_value, step_dir_name
-from torchckpt.state.hashed_write import write_files_hashed
-from torchckpt.state.lifecycle import releaser, track
-from torchckpt.state.preempt_points import on_request_for
-from torchckpt.state.preemption import PreemptionHandler, parse_signals
-from torchckpt.state.rank_group import RankGroup
-from torchckpt.state.reader import apply_snapshot, read_newest_valid
-from torchckpt.state.retention import apply_retention
-from torchckpt.state.sharded import snapshot_sharded, start_together, write_sharded
-from torchckpt.state.sharded_restore import newest_is_sharded, restore_newest_sharded
-from torchckpt.state.snapshot import FileChunks, encode_snapshot
-from torchckpt.state.staging import HostStaging, changed_only_by_optimizer_steps
-from torchckpt.state.storage import Storage, open_storage
+from torchckpt.state.checkpointer.branches import abandon_newer_steps
+from torchckpt.state.checkpointer.config import CheckpointerConfig, check_metric_name, check_step
+from torchckpt.state.checkpointer.retention import apply_retention
+from torchckpt.state.checkpointer.unsharded import snapshot_unsharded, write_unsharded
+from torchckpt.state.errors import CheckpointError
+from torchckpt.state.format.layout import step_dir_name
+from torchckpt.state.format.manifest import metric_value
+from torchckpt.state.format.snapshot import FileChunks
+from torchckpt.state.live.capture import capture_rng, check_item_name
+from torchckpt.state.live.staging import HostStaging
+from torchckpt.state.process.lifecycle import releaser, track
+from torchckpt.state.process.preempt_points import on_request_for
+from torchckpt.state.process.preemption import PreemptionHandler, parse_signals
+from torchckpt.state.read.catalog import CheckpointInfo, check_step_free, inspect_step, valid_committed
+from torchckpt.state.read.load import apply_snapshot
+from torchckpt.state.read.newest import newest_is_sharded, read_newest_valid
+from torchckpt.state.read.step import VerifyMode, check_verify_mode
+from torchckpt.state.sharded.rank_group import RankGroup
+from torchckpt.state.sharded.restore import restore_newest_sharded
+from torchckpt.state.sharded.save import snapshot_sharded, start_together, write_sharded
+from torchckpt.state.storage.backends import open_storage
+from torchckpt.state.storage.base import Storage
 
 
 class Checkpointer:
@@ -117,7 +108,7 @@ class Checkpointer:
         self._step_guard: Any = None  # the optimizer-step pre-hook handle while staging may be pending
         self.optimizer_wait_s = 0.0  # time optimizer steps spent waiting for background staging
         self._last_step: int | None = None
-        # (step, metrics, items, RNG streams) of the last complete step (preempt_points.py)
+        # (step, metrics, items, RNG streams) of the last complete step (save_resume_point_and_exit)
         self._resume_point: tuple[int, Any, Mapping[str, Any], dict[str, Any] | None] | None = None
         self._closed = False
         self.read_only = read_only  # no lock, no cleaning, no save: restore/list only (reader.py's rules)
@@ -195,7 +186,7 @@ class Checkpointer:
                 return (lambda: write_sharded(store, self._ranks, snap, self.config.hash_algorithm,
                                               before_commit=lambda: abandon_newer_steps(store, step),
                                               after_commit=lambda: apply_retention(store, retention))), None, checked
-            files = self._snapshot(step, items, checked, streams)
+            files = snapshot_unsharded(step, items, checked, streams, staging, self.config.async_staging)
             return (lambda: self._write(step, files, checked)), files, checked
 
         write, files, checked_metrics = start_together(self._ranks if self._sharded else None, step, prepare)
@@ -259,12 +250,34 @@ class Checkpointer:
         )
         raise SystemExit(0)
 
-    def _snapshot(self, step: int, items: Mapping[str, Any], metrics: Mapping[str, float],
-                  rng: dict[str, Any] | None) -> dict[str, FileChunks]:
-        captured = {name: capture_item(name, obj) for name, obj in items.items()}
-        staging = self._staging if self.config.async_save else None  # [async saves copy before returning]
-        defer = changed_only_by_optimizer_steps(items) if self.config.async_staging else None
-        return encode_snapshot(step=step, items=captured, rng=rng, metrics=metrics, staging=staging, defer=defer)
+    # ----- preemption at a safe point: process/preempt_points.py's SafePointSaver ------------
+
+    @property
+    def saves_collectively(self) -> bool:
+        """True when the ranks of a process group save together: then no rank saves at a safe point alone."""
+        return self._ranks is not None and self._ranks.world_size > 1
+
+    @property
+    def has_resume_point(self) -> bool:
+        """True once ``maybe_save``/``save`` was passed a step: the last complete one, which a preemption saves.
+
+        Example:
+            >>> import tempfile, torch
+            >>> tmp = tempfile.TemporaryDirectory(); ckpt = Checkpointer(tmp.name)
+            >>> before = ckpt.has_resume_point; ckpt.save(1, model=torch.nn.Linear(1, 1))
+            >>> before, ckpt.has_resume_point, ckpt.saves_collectively
+            (False, True, False)
+            >>> ckpt.close(); tmp.cleanup()
+        """
+        return self._resume_point is not None
+
+    def save_resume_point_and_exit(self, *, rng_of_resume_point: bool) -> None:
+        """Save the last complete step (unless it is safe already) and exit 0: a preemption at a safe point.
+        ``rng_of_resume_point`` saves the RNG streams captured with that step instead of this moment's."""
+        if self._resume_point is None:
+            raise CheckpointError("no step was passed to maybe_save/save yet: there is no resume point to save")
+        step, metrics, items, rng = self._resume_point
+        self._save_and_exit(step, metrics, items, rng if rng_of_resume_point else None)
 
     def _stage_and_write(
         self, step: int, files: Mapping[str, FileChunks], metrics: Mapping[str, float], staged: threading.Event
@@ -307,19 +320,7 @@ class Checkpointer:
             self._staged.wait()
 
     def _write(self, step: int, files: Mapping[str, FileChunks], metrics: Mapping[str, float]) -> None:
-        algorithm = self.config.hash_algorithm
-        writer = self._storage.begin_step(step)
-        try:
-            entries = write_files_hashed(writer, files, algorithm)
-            manifest = Manifest(
-                step=step, created_unix_s=time.time(), hash_algorithm=algorithm, files=entries, metrics=metrics
-            )
-            abandon_newer_steps(self._storage, step)  # branches.py's [set aside before the commit]
-            writer.commit(encode_manifest(manifest))
-        except BaseException:
-            writer.abort()
-            raise
-        apply_retention(self._storage, self.config.retention)
+        write_unsharded(self._storage, step, files, metrics, self.config.hash_algorithm, self.config.retention)
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchckpt._units import check_positive_int
-from torchckpt.state.catalog import check_verify_mode
-from torchckpt.state.format import DEFAULT_HASH_ALGORITHM, HASH_ALGORITHMS, new_hasher
-from torchckpt.state.preemption import parse_signals
-from torchckpt.state.retention import RetentionPolicy
+from torchckpt.state.checkpointer.retention import RetentionPolicy
+from torchckpt.state.format.hashing import DEFAULT_HASH_ALGORITHM, HASH_ALGORITHMS, new_hasher
+from torchckpt.state.process.preemption import parse_signals
+from torchckpt.state.read.step import check_verify_mode
 
 __all__ = ["CheckpointerConfig", "check_metric_name", "check_step"]
 

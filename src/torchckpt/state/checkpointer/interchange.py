@@ -34,9 +34,7 @@ import safetensors.torch
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchckpt.state.capture import RESERVED_ITEM_NAMES
-from torchckpt.state.catalog import StepGoneError, inspect_step, read_manifest
-from torchckpt.state.codec import join_tensors
+from torchckpt.state.checkpointer.checkpointer import Checkpointer
 from torchckpt.state.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -47,11 +45,16 @@ from torchckpt.state.errors import (
     fix_for_os_error,
     warn_fallback,
 )
-from torchckpt.state.format import STATE_NAME
-from torchckpt.state.reader import candidate_steps, load_step, read_newest_valid
-from torchckpt.state.sharded_restore import ShardedStep, dcp_load, open_sharded, shard_reader
-from torchckpt.state.snapshot import Snapshot
-from torchckpt.state.storage import ABANDONED_DIR, Storage, open_storage
+from torchckpt.state.format.codec import join_tensors
+from torchckpt.state.format.layout import ABANDONED_DIR, STATE_NAME
+from torchckpt.state.format.snapshot import Snapshot
+from torchckpt.state.live.capture import RESERVED_ITEM_NAMES
+from torchckpt.state.read.catalog import inspect_step
+from torchckpt.state.read.newest import candidate_steps, newest_is_sharded, read_newest_valid
+from torchckpt.state.read.step import StepGoneError, load_step, read_manifest
+from torchckpt.state.sharded.step import ShardedStep, dcp_load, open_sharded, shard_reader
+from torchckpt.state.storage.backends import open_storage
+from torchckpt.state.storage.base import Storage
 
 _MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module", "net")
 _OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optim", "opt")
@@ -206,10 +209,6 @@ def import_torch_save(path: str | os.PathLike[str], directory: str | os.PathLike
         5
         >>> tmp.cleanup()
     """
-    from torchckpt.state.checkpointer import (
-        Checkpointer,  # imported late: checkpointer imports this package
-    )
-
     source = os.fspath(path)
     items, found_step = split_legacy_items(_load_weights_only(source), source)
     chosen = step if step is not None else (found_step if found_step is not None else 0)
@@ -242,7 +241,7 @@ def export_model_weights(
 
     Example:
         >>> import tempfile
-        >>> from torchckpt.state.checkpointer import Checkpointer
+        >>> from torchckpt.state import Checkpointer
         >>> tmp = tempfile.TemporaryDirectory(); run = tmp.name
         >>> with Checkpointer(run) as ckpt:
         ...     ckpt.save(3, model=torch.nn.Linear(2, 2))
@@ -257,7 +256,7 @@ def export_model_weights(
         >>> tmp.cleanup()
     """
     storage = open_storage(directory)
-    if _newest_is_sharded(storage, step):
+    if newest_is_sharded(storage, step):
         exported, tensors = _newest_sharded_weights(storage, step, item)
     else:
         snapshot = read_newest_valid(storage, step=step, verify="full", fallback=True, wanted={item})
@@ -274,16 +273,6 @@ def _snapshot_weights(storage: Storage, snapshot: Snapshot, item: str) -> dict[s
                                       f"it holds {list(snapshot.item_names)}")
     _, state = snapshot.items[item]
     return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
-
-
-def _newest_is_sharded(storage: Storage, step: int | None) -> bool:
-    """Whether the newest step with a readable manifest (or ``step``) is sharded."""
-    for candidate in candidate_steps(storage, step):
-        try:
-            return read_manifest(storage, candidate).world_size is not None
-        except CheckpointError:
-            continue
-    return False
 
 
 def _newest_sharded_weights(storage: Storage, step: int | None, item: str) -> tuple[int, dict[str, torch.Tensor]]:
@@ -326,8 +315,8 @@ def sharded_weights(step: ShardedStep, item: str = "model") -> dict[str, torch.T
 
     Example:
         >>> import tempfile
-        >>> from torchckpt.state.catalog import read_manifest
-        >>> from torchckpt.state.checkpointer import Checkpointer
+        >>> from torchckpt.state.read.step import read_manifest
+        >>> from torchckpt.state import Checkpointer
         >>> tmp = tempfile.TemporaryDirectory(); model = torch.nn.Linear(2, 2)
         >>> with Checkpointer(tmp.name, sharded=True) as ckpt:
         ...     ckpt.save(1, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

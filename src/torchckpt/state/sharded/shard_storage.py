@@ -49,11 +49,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from torchckpt.state.codec import SAFETENSORS_DTYPES, safetensors_chunks
 from torchckpt.state.errors import CheckpointCorruptError, UnsupportedStateError
-from torchckpt.state.format import HASH_ALGORITHMS, FileEntry, hash_bytes
-from torchckpt.state.hashed_write import hash_thread, write_hashed
-from torchckpt.state.storage import StepWriter
+from torchckpt.state.format.codec import SAFETENSORS_DTYPES, safetensors_chunks
+from torchckpt.state.format.hashing import HASH_ALGORITHMS, hash_bytes
+from torchckpt.state.format.manifest import FileEntry
+from torchckpt.state.storage.base import StepWriter
+from torchckpt.state.storage.hashed_write import hash_thread, write_hashed
 
 INDEX_NAME = "shards.json"
 INDEX_FORMAT = "torchckpt.shards"
@@ -106,7 +107,7 @@ class ShardWriter(StorageWriter):
     Example:
         >>> import tempfile
         >>> import torch.distributed.checkpoint as dcp
-        >>> from torchckpt.state.storage import open_storage
+        >>> from torchckpt.state.storage.backends import open_storage
         >>> tmp = tempfile.TemporaryDirectory(); step = open_storage(tmp.name).begin_step(1)
         >>> written = {}
         >>> shard_writer = ShardWriter(step, rank=0, world_size=1, algorithm="crc32", on_written=written.update)
@@ -195,7 +196,7 @@ def write_hashed_bytes(writer: StepWriter, name: str, data: bytes, algorithm: st
 
     Example:
         >>> import tempfile
-        >>> from torchckpt.state.storage import open_storage
+        >>> from torchckpt.state.storage.backends import open_storage
         >>> tmp = tempfile.TemporaryDirectory(); step = open_storage(tmp.name).begin_step(1)
         >>> write_hashed_bytes(step, "a.json", b"{}", "crc32").size_bytes
         2
@@ -345,7 +346,7 @@ class ShardReader(StorageReader):
     Example:
         >>> import tempfile
         >>> import torch.distributed.checkpoint as dcp
-        >>> from torchckpt.state.storage import open_storage
+        >>> from torchckpt.state.storage.backends import open_storage
         >>> tmp = tempfile.TemporaryDirectory(); step = open_storage(tmp.name).begin_step(1)
         >>> _ = dcp.save({"w": torch.arange(3.0)}, storage_writer=ShardWriter(
         ...     step, rank=0, world_size=1, algorithm="crc32", on_written=lambda entries: None))

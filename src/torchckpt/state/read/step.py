@@ -1,9 +1,12 @@
-"""Reading checkpoints back: list steps, verify files against manifests, read verified bytes.
+"""Reading one step: its manifest, its files verified against it, and the step decoded from them.
 
-Rules kept here (named in ``docs/design.md``):
+The one module a read of a step goes through: restore, export, ``load``, ``ls`` and ``verify`` call it
+(catalog.py lists and judges steps with it, newest.py picks the step to restore).
+
+Rules kept here (named in ``docs/design.md``; the design notes they keep in parentheses):
 
 1. **[valid means every listed file checks]** (Note: [no manifest, no checkpoint])
-   A step is valid only if its manifest parses and self-checks (format.py's
+   A step is valid only if its manifest parses and self-checks (format/manifest.py's
    [parse_manifest is the only way in]) and every listed file exists with the
    listed size (``verify="fast"``) and, with ``verify="full"``, the listed hash.
 2. **[verification reports every problem]** Verification collects every problem of
@@ -15,70 +18,45 @@ Rules kept here (named in ``docs/design.md``):
 4. **[one read per file]** Each file is read once, into one buffer of its manifest
    size, piece by piece; with ``verify="full"`` each piece is hashed in a second
    thread while the next one is read. The tensors restore decodes are views of
-   that buffer (codec.py's [zero copy both ways]): reading costs one pass over the
+   that buffer (format/codec.py's [zero copy both ways]): reading costs one pass over the
    bytes.
+5. **[only verified steps are decoded]** (Note: [no manifest, no checkpoint]) Only
+   steps whose manifest validates are decoded; bytes are decoded from exactly what
+   was verified ([decode the bytes that were hashed]).
+
+Only the files the asked-for items need are read, and the RNG entry is checked before anything live
+changes (load.py's [the whole step checks before anything changes]).
 """
 
 from __future__ import annotations
 
-import os
 import re
-import warnings
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from torchckpt.state.errors import (
-    CheckpointCorruptError,
-    CheckpointExistsError,
-    CheckpointFallbackWarning,
-    CheckpointNotFoundError,
-)
-from torchckpt.state.format import (
-    HASH_ALGORITHMS,
-    MANIFEST_NAME,
-    FileEntry,
-    Manifest,
-    new_hasher,
-    parse_manifest,
-    step_dir_name,
-)
-from torchckpt.state.local_files import (
+from torchckpt.state.errors import CheckpointCorruptError, CheckpointNotFoundError
+from torchckpt.state.format.codec import decode_json
+from torchckpt.state.format.hashing import HASH_ALGORITHMS, new_hasher
+from torchckpt.state.format.layout import MANIFEST_NAME, STATE_NAME, step_dir_name
+from torchckpt.state.format.manifest import FileEntry, Manifest, parse_manifest
+from torchckpt.state.format.snapshot import Snapshot, decode_snapshot
+from torchckpt.state.live.capture import check_rng
+from torchckpt.state.storage.base import Storage
+from torchckpt.state.storage.local import local_step_dir
+from torchckpt.state.storage.local_files import (
     MANIFEST_MAX_BYTES,
     checked_size,
     read_capped,
     read_into_checked,
     stream_pieces,
 )
-from torchckpt.state.storage import LocalStorage, Storage, open_storage
 
 VerifyMode = Literal["full", "fast"]
 VERIFY_MODES: tuple[str, ...] = ("full", "fast")
 _SAFE_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointInfo:
-    """One step directory as seen by ``list``/``verify``.
-
-    Example:
-        >>> CheckpointInfo(step=3, path="runs/x/step-000000003", valid=False, problem="no manifest").valid
-        False
-    """
-
-    step: int
-    path: str
-    valid: bool
-    problem: str | None = None
-    created_unix_s: float | None = None
-    size_bytes: int | None = None
-    metrics: Mapping[str, float] = field(default_factory=dict)
-    problems: Mapping[str, str] = field(default_factory=dict)
-    unverifiable: bool = False
-    gone: bool = False
 
 
 class StepGoneError(CheckpointNotFoundError):
@@ -87,10 +65,6 @@ class StepGoneError(CheckpointNotFoundError):
 
 class UnverifiableStepError(CheckpointCorruptError):
     """A step's manifest names a hash algorithm this torchckpt does not know: it cannot be verified."""
-
-
-def _local_root(storage: Storage, entry: str) -> str | None:
-    return storage.path_of(entry) if isinstance(storage, LocalStorage) else None
 
 
 def _raise_if_gone(storage: Storage, step: int, path: str) -> None:
@@ -108,34 +82,16 @@ def _os_problem(error: OSError) -> str:
 
 
 def _file_size(storage: Storage, entry: str, name: str) -> int | None:
-    root = _local_root(storage, entry)
+    root = local_step_dir(storage, entry)
     return checked_size(root, name) if root is not None else storage.file_size(entry, name)
 
 
 def _read_into(storage: Storage, entry: str, name: str, into: memoryview,
                on_piece: Callable[[memoryview], None] | None) -> int:
-    root = _local_root(storage, entry)
+    root = local_step_dir(storage, entry)
     if root is not None:
         return read_into_checked(root, name, into, on_piece)
     return storage.read_into(entry, name, into, on_piece)
-
-
-def step_numbers(storage: Storage) -> list[int]:
-    """Committed step numbers, oldest first; a non-directory named like a step is skipped with a warning.
-
-    Example:
-        >>> step_numbers(open_storage("/nonexistent"))
-        []
-    """
-    steps = []
-    for step, entry in sorted(storage.step_entries().items()):
-        root = _local_root(storage, entry)
-        if root is not None and os.path.lexists(root) and not os.path.isdir(root):
-            warnings.warn(f"{root}: a file named like a step directory, not a checkpoint; ignored. Fix: remove "
-                          "or rename it", CheckpointFallbackWarning, stacklevel=3)
-            continue
-        steps.append(step)
-    return steps
 
 
 def check_verify_mode(verify: str) -> None:
@@ -152,14 +108,15 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     """Parse and self-check the manifest of ``step`` ([valid means every listed file checks]).
 
     Example:
+        >>> from torchckpt.state.storage.backends import open_storage
         >>> read_manifest(open_storage("/nonexistent"), 1)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        torchckpt.state.catalog.StepGoneError: /nonexistent/step-000000001/manifest.json: step 1 was deleted ...
+        torchckpt.state.read.step.StepGoneError: /nonexistent/step-000000001/manifest.json: step 1 was deleted ...
     """
     entry = step_dir_name(step)
     path = storage.path_of(entry, MANIFEST_NAME)
-    root = _local_root(storage, entry)
+    root = local_step_dir(storage, entry)
     try:
         if root is not None:
             data = read_capped(root, MANIFEST_NAME, MANIFEST_MAX_BYTES)  # Note: [reads stay inside the step]
@@ -237,7 +194,7 @@ def _read_or_stream(
     if problem is not None:
         return None, problem
     hasher = new_hasher(algorithm) if algorithm is not None else None
-    root = _local_root(storage, entry)
+    root = local_step_dir(storage, entry)
     if not keep and hasher is not None and root is not None:  # [every read is bounded]: stream, never hold it
         streamed = stream_pieces(root, name, lambda piece: hash_thread.submit(hasher.update, piece).result,
                                  expected.size_bytes)
@@ -318,38 +275,12 @@ def _raise_problems(problems: Mapping[str, str]) -> None:
         raise CheckpointCorruptError(lines, dict(problems))
 
 
-def inspect_step(storage: Storage, step: int, verify: VerifyMode) -> CheckpointInfo:
-    """Validity, size and metrics of one step (files are hashed only with ``"full"``).
+def verify_step_files(storage: Storage, step: int, manifest: Manifest, verify: VerifyMode) -> dict[str, str]:
+    """Every problem of the files ``manifest`` lists, by path: sizes (``"fast"``) or hashes too (``"full"``), the
+    files streamed, never held ([verification reports every problem]).
 
-    A step deleted while it was read comes back with ``gone=True``; one whose manifest names an unknown
-    hash algorithm with ``unverifiable=True`` (both not valid).
-
-    Example:
-        >>> inspect_step(open_storage("/nonexistent"), 7, "fast").valid
-        False
+    Raises :class:`UnverifiableStepError` (``"full"``, an unknown hash algorithm), :class:`StepGoneError`.
     """
-    path = storage.path_of(step_dir_name(step))
-    try:
-        manifest = read_manifest(storage, step)
-        problems = _verify_files(storage, step, manifest, verify)
-    except StepGoneError as error:
-        return CheckpointInfo(step=step, path=path, valid=False, problem=str(error), gone=True)
-    except CheckpointCorruptError as error:
-        return CheckpointInfo(step=step, path=path, valid=False, problem=str(error), problems=error.problems,
-                              unverifiable=isinstance(error, UnverifiableStepError))
-    return CheckpointInfo(
-        step=step,
-        path=path,
-        valid=not problems,
-        problem="; ".join(f"{p}: {m}" for p, m in problems.items()) or None,
-        created_unix_s=manifest.created_unix_s,
-        size_bytes=manifest.size_bytes,
-        metrics=manifest.metrics,
-        problems=problems,
-    )
-
-
-def _verify_files(storage: Storage, step: int, manifest: Manifest, verify: VerifyMode) -> dict[str, str]:
     entry = step_dir_name(step)
     if verify == "full":
         try:
@@ -373,69 +304,36 @@ def _verify_files(storage: Storage, step: int, manifest: Manifest, verify: Verif
     return problems
 
 
-def list_checkpoints(location: str | os.PathLike[str], verify: VerifyMode = "fast") -> list[CheckpointInfo]:
-    """Every step directory under ``location``, oldest first, with validity (steps deleted meanwhile left out).
+def load_step(storage: Storage, step: int, verify: str, wanted: Collection[str] | None) -> Snapshot:
+    """Verify and decode one step (only ``wanted`` items; None means all).
 
-    Example:
-        >>> list_checkpoints("/nonexistent")
-        []
+    Raises :class:`CheckpointCorruptError` naming every bad file.
     """
-    check_verify_mode(verify)
-    storage = open_storage(location)
-    infos = [inspect_step(storage, step, verify) for step in step_numbers(storage)]
-    return [info for info in infos if not info.gone]
+    manifest = read_manifest(storage, step)
+    entry = step_dir_name(step)
+    files = read_step_files(storage, step, manifest, verify, names={STATE_NAME})  # type: ignore[arg-type]
+    needed = _needed_files(files.get(STATE_NAME), manifest, wanted, storage.path_of(entry, STATE_NAME))
+    files.update(read_step_files(storage, step, manifest, verify, names=needed - {STATE_NAME}))  # type: ignore[arg-type]
+    snapshot = decode_snapshot(files, lambda name: storage.path_of(entry, name), wanted=wanted)
+    state_path = storage.path_of(entry, STATE_NAME)
+    if snapshot.step != step:  # restore returns this number: it must be the step's own
+        problem = f"says step {snapshot.step} but lives in {entry} (its manifest says {step})"
+        raise CheckpointCorruptError(f"{state_path}: {problem}", {state_path: problem})
+    if snapshot.rng is not None:
+        check_rng(snapshot.rng, state_path)
+    return snapshot
 
 
-def verify_checkpoint(
-    location: str | os.PathLike[str], step: int | None = None, verify: VerifyMode = "full"
-) -> list[CheckpointInfo]:
-    """Verify one step (or every step when ``step`` is None); never raises for bad data.
-
-    A step deleted while it is verified (by a live writer's retention) is left out, not reported corrupt.
-
-    Example:
-        >>> verify_checkpoint("/nonexistent", step=3)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        torchckpt.state.errors.CheckpointNotFoundError: /nonexistent: no step 3; ...
-    """
-    check_verify_mode(verify)
-    storage = open_storage(location)
-    steps = step_numbers(storage)
-    if step is not None:
-        if step not in steps:
-            raise CheckpointNotFoundError(f"{location}: no step {step}; steps found: {steps or 'none'}")
-        steps = [step]
-    infos = [inspect_step(storage, s, verify) for s in steps]
-    if step is not None and infos[0].gone:
-        raise StepGoneError(infos[0].problem)
-    return [info for info in infos if not info.gone]
-
-
-def valid_committed(storage: Storage, step: int, verify: VerifyMode) -> CheckpointInfo | None:
-    """``step``'s info if it is a committed step that passes ``verify``, else None (absent, corrupt, or a
-    stray file named like a step: such a step may be replaced).
-
-    Example:
-        >>> print(valid_committed(open_storage("/nonexistent"), 3, "full"))
-        None
-    """
-    if step not in storage.step_entries():
-        return None
-    info = inspect_step(storage, step, verify)
-    return info if info.valid else None
-
-
-def check_step_free(storage: Storage, step: int, verify: VerifyMode) -> None:
-    """Raise :class:`CheckpointExistsError` if ``step`` holds a valid checkpoint (checkpointer.py's
-    [committed steps are immutable]).
-
-    Example:
-        >>> check_step_free(open_storage("/nonexistent"), 3, "full")
-    """
-    info = valid_committed(storage, step, verify)
-    if info is not None:
-        raise CheckpointExistsError(
-            f"{info.path} already holds a valid checkpoint of step {step}; committed steps are "
-            "never overwritten. Fix: save under a new step number, or delete that directory."
-        )
+def _needed_files(state: memoryview | None, manifest: Manifest, wanted: Collection[str] | None,
+                  source: str) -> set[str]:
+    """The files the ``wanted`` items live in (load.py's [the whole step checks before anything changes])."""
+    if wanted is None or state is None:
+        return set(manifest.files)
+    try:
+        items = decode_json(state, source)["items"]
+        return {STATE_NAME} | {
+            file for name in wanted if name in items
+            for file in (items[name]["tensor_file"], items[name]["tree_file"]) if file is not None
+        }
+    except (CheckpointCorruptError, KeyError, TypeError):
+        return set(manifest.files)  # decode_snapshot names the problem
