@@ -1,4 +1,4 @@
-"""``torchckpt export`` on a sharded step (state/sharded.py): the model item is consolidated into full tensors
+"""``torchckpt export`` on a sharded step (state/sharded/): the model item is consolidated into full tensors
 under its state_dict keys, bitwise what the ranks held, exactly as an unsharded step exports; any other item is
 refused by name; a corrupt newest step is skipped with a warning, as for unsharded steps."""
 

@@ -1,4 +1,4 @@
-"""The zero-copy write/read paths (codec.py's [zero copy both ways]): pieces, hashes, staging, old manifests,
+"""The zero-copy write/read paths (format/codec.py's [zero copy both ways]): pieces, hashes, staging, old manifests,
 real safetensors."""
 
 from __future__ import annotations

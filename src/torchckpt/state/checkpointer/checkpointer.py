@@ -18,7 +18,7 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
    them while the background thread hashes and writes. A sync ``save`` writes CPU
    tensors from their own memory. With ``async_staging=True`` the parameters and
    optimizer state are copied by the background thread instead, and every
-   optimizer step (a global pre-hook) waits until that copy is done (staging.py's
+   optimizer step (a global pre-hook) waits until that copy is done (live/staging.py's
    [optimizer steps wait for staging]).
 5. **[committed steps are immutable]** Saving a step that holds a valid (fully
    hashed) checkpoint is an error; one that fails verification is moved aside to
@@ -30,7 +30,7 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
    handed to a hashing thread just before it is written (hashlib, zlib and xxhash
    release the GIL), so a save costs about max(hash, write), never their sum, and
    no byte is read twice from a joined copy.
-8. **[ranks decide together]** With a process group of several ranks (sharded.py), every rank calls
+8. **[ranks decide together]** With a process group of several ranks (sharded/), every rank calls
    ``save``/``restore`` with the same arguments; rank 0 alone holds the lock and cleans leftovers. A
    decision one rank could make alone (a preemption signal, ``save_every_seconds``) is agreed at every
    ``maybe_save`` (an all-reduce), so all ranks save the same step.
@@ -103,7 +103,7 @@ class Checkpointer:
         self._executor: ThreadPoolExecutor | None = None
         self._staging = HostStaging()  # used by async saves only ([async saves copy before returning])
         self._inflight: Future[None] | None = None
-        # Set once background staging is done (staging.py's [optimizer steps wait for staging]).
+        # Set once background staging is done (live/staging.py's [optimizer steps wait for staging]).
         self._staged: threading.Event | None = None
         self._step_guard: Any = None  # the optimizer-step pre-hook handle while staging may be pending
         self.optimizer_wait_s = 0.0  # time optimizer steps spent waiting for background staging
@@ -111,7 +111,7 @@ class Checkpointer:
         # (step, metrics, items, RNG streams) of the last complete step (save_resume_point_and_exit)
         self._resume_point: tuple[int, Any, Mapping[str, Any], dict[str, Any] | None] | None = None
         self._closed = False
-        self.read_only = read_only  # no lock, no cleaning, no save: restore/list only (reader.py's rules)
+        self.read_only = read_only  # no lock, no cleaning, no save: restore/list only (read/newest.py's rules)
         if read_only:
             self._preemption = None
             self._last_save_monotonic_s = time.monotonic()
@@ -130,7 +130,7 @@ class Checkpointer:
             self._storage.release_lock()
             raise
         self._last_save_monotonic_s = time.monotonic()
-        self._finalizer = track(self, releaser(self._storage, self._preemption))  # lifecycle.py
+        self._finalizer = track(self, releaser(self._storage, self._preemption))  # process/lifecycle.py
 
     @property
     def directory(self) -> str:
@@ -171,12 +171,12 @@ class Checkpointer:
 
     def _save(self, step: int, metrics: Mapping[str, object] | None, items: Mapping[str, Any],
               rng: dict[str, Any] | None = None) -> None:
-        """Save ``step``; ``rng`` (the resume point's streams, preempt_points.py) replaces capturing them now."""
+        """Save ``step``; ``rng`` (the resume point's streams, save_resume_point_and_exit) replaces capturing them now."""
         def prepare() -> tuple[Callable[[], None], Any, dict[str, float]]:
             self.wait()  # [one save in flight]
             check_step(step)
             streams = capture_rng() if rng is None and self.config.capture_rng else rng
-            self._resume_point = (step, metrics, items, streams)  # this step is complete (preempt_points.py)
+            self._resume_point = (step, metrics, items, streams)  # this step is complete (a resume point)
             check_step_free(self._storage, step, self._verify_for_existing)
             checked = {check_metric_name(name): metric_value(name, value) for name, value in (metrics or {}).items()}
             staging = self._staging if self.config.async_save else None  # [async saves copy before returning]
@@ -226,7 +226,7 @@ class Checkpointer:
         if self.preemption_requested:
             self._save_and_exit(step, metrics, items)
         # This step is complete; its RNG streams are kept for a save while the next epoch's DataLoader
-        # iterator starts (preempt_points.py: that iterator has drawn from torch's RNG already).
+        # iterator starts (process/preempt_points.py: that iterator has drawn from torch's RNG already).
         rng = capture_rng() if self._preemption is not None and self.config.capture_rng else None
         self._resume_point = (step, metrics, items, rng)
         since_s = time.monotonic() - self._last_save_monotonic_s
@@ -443,8 +443,8 @@ class Checkpointer:
             self._storage.release_lock()
 
     def forget_after_fork(self) -> None:
-        """In a forked child: close this inherited copy without waiting or writing (lifecycle.py's
-        [a forked child writes nothing]); the lock is dropped by lockfile.py."""
+        """In a forked child: close this inherited copy without waiting or writing (process/lifecycle.py's
+        [a forked child writes nothing]); the lock is dropped by process/lockfile.py."""
         self._closed, self._inflight, self._executor, self._step_guard = True, None, None, None
         self._finalizer.detach()
         if self._preemption is not None:

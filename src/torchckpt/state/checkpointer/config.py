@@ -38,7 +38,7 @@ class CheckpointerConfig:
     hash_algorithm: str = DEFAULT_HASH_ALGORITHM
     save_on_preemption: bool = False
     preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGINT")
-    sharded: bool | None = None  # None: sharded when a process group is initialised (sharded.py)
+    sharded: bool | None = None  # None: sharded when a process group is initialised (sharded/save.py)
     rank_timeout_s: float = 300.0  # how long a sharded save or restore waits for the other ranks
 
     def __post_init__(self) -> None:

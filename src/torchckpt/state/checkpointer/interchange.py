@@ -13,7 +13,7 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
    is at or after the imported step is refused before anything is written: saving it
    would start a new branch and move the run's newer steps to ``abandoned/``
    (branches.py), so a file without a step key (step 0) would hide a whole run.
-4. **[export consolidates shards]** A sharded step (sharded.py) is exported whole by this
+4. **[export consolidates shards]** A sharded step (sharded/save.py) is exported whole by this
    one process: full-size tensors are built from the shard index's shapes and dtypes and
    DCP fills them from every rank's shards, each byte verified against its block hash.
    Only a module item is exported (its state_dict, as the unsharded export writes it);

@@ -55,7 +55,7 @@ def split_tensors(tree: Any, item: str, *, sharded: bool = False) -> tuple[Any, 
 
     Tensors are detached and made contiguous but stay on their device (views of
     CPU tensors; the snapshot moves them to host memory). Tied tensors are
-    stored once per key. A DTensor is refused unless ``sharded`` (sharded.py hands it to DCP as it is).
+    stored once per key. A DTensor is refused unless ``sharded`` (sharded/save.py hands it to DCP as it is).
 
     Example:
         >>> tree, tensors = split_tensors({"w": torch.ones(2), "lr": 0.1, 3: (1, 2)}, "opt")

@@ -12,7 +12,7 @@ Rules kept here (named in ``docs/design.md``):
    file as chunks to write: JSON bytes, safetensors headers and views of host
    tensor memory. For a sync save those views are the live tensors (no copy); for
    an async save they are views of the host staging buffer, filled here, which the
-   background thread writes while training mutates the live tensors (staging.py).
+   background thread writes while training mutates the live tensors (live/staging.py).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def encode_snapshot(
 
     With ``staging`` every tensor is copied into its buffer (an async save);
     without, the chunks view the tensors' own memory (a sync save). ``defer``
-    picks tensors whose copy is left to ``staging.finish()`` (staging.py's
+    picks tensors whose copy is left to ``staging.finish()`` (live/staging.py's
     [optimizer steps wait for staging]).
 
     Example:
@@ -148,7 +148,7 @@ def decode_snapshot(
     state = decode_json(_file(files, STATE_NAME, path_of), path_of(STATE_NAME))
     try:
         step = state["step"]
-        if type(step) is not int or step < 0:  # never a bool, a float or Infinity (format.py's exact types)
+        if type(step) is not int or step < 0:  # never a bool, a float or Infinity (manifest.py's exact types)
             raise ValueError(f"step is {step!r} ({type(step).__name__}); expected a non-negative int")
         items_meta: dict[str, Any] = dict(state["items"])
         names = tuple(items_meta)

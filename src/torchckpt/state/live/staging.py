@@ -3,7 +3,7 @@
 Rules kept here (named in ``docs/design.md``):
 
 1. **[sync saves copy nothing]** A sync save copies nothing: CPU tensors are
-   written straight from their own memory while the caller waits (codec.py's
+   written straight from their own memory while the caller waits (format/codec.py's
    [zero copy both ways]); device tensors are copied to host once (``.cpu()``).
 2. **[one reused host buffer]** An async save copies every tensor once,
    synchronously, into one host buffer that the Checkpointer keeps and reuses:
@@ -15,7 +15,7 @@ Rules kept here (named in ``docs/design.md``):
 3. **[the buffer waits for the last save]** The buffer is reused only after the
    previous save that wrote from it has committed or failed: the Checkpointer
    allows one save in flight and waits for it before the next copy
-   (checkpointer.py's [one save in flight]).
+   (checkpointer/checkpointer.py's [one save in flight]).
 4. **[optimizer steps wait for staging]** Background staging
    (``async_staging=True``, opt-in): tensors that only an optimizer step changes
    (parameters, optimizer state; CPU only) are laid out by

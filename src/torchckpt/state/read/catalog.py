@@ -153,7 +153,7 @@ def valid_committed(storage: Storage, step: int, verify: VerifyMode) -> Checkpoi
 
 
 def check_step_free(storage: Storage, step: int, verify: VerifyMode) -> None:
-    """Raise :class:`CheckpointExistsError` if ``step`` holds a valid checkpoint (checkpointer.py's
+    """Raise :class:`CheckpointExistsError` if ``step`` holds a valid checkpoint (checkpointer/checkpointer.py's
     [committed steps are immutable]).
 
     Example:

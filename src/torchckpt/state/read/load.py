@@ -55,7 +55,7 @@ def apply_snapshot(snapshot: Snapshot, items: Mapping[str, Any], rng: bool | Non
     streams = snapshot.rng if rng is not False else None  # the RNG streams to restore, if any
     if streams is not None:
         check_rng_devices(streams, state_path)
-    # capture.py's [no half restore]: items only their own loading can check go first (a stable sort)
+    # live/capture.py's [no half restore]: items only their own loading can check go first (a stable sort)
     for name in sorted(items, key=lambda item: certain[item]):
         kind, state = snapshot.items[name]
         apply_item(name, items[name], kind, state, state_path)

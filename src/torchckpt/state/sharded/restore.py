@@ -5,7 +5,7 @@ DCP's load planner finds the saved chunks that overlap each rank's new ones.
 
 Rules kept here (named in ``docs/design.md``; the design notes they keep in parentheses):
 
-1. **[restore loads into copies]** (capture.py's [no half restore]) DCP loads into fresh tensors shaped
+1. **[restore loads into copies]** (live/capture.py's [no half restore]) DCP loads into fresh tensors shaped
    like the live ones; the live objects change only after every rank read and verified its part, and the
    ranks agree on the step: a step corrupt on one rank is skipped by all.
 """
@@ -115,7 +115,7 @@ def _read_sharded_items(step: ShardedStep, ranks: RankGroup | None, items: Mappi
 
 
 def tensor_keys(tree: Any) -> set[str]:
-    """The tensor keys an encoded tree refers to (codec.py's tagged ``{"__torchckpt__": "tensor"}`` leaves).
+    """The tensor keys an encoded tree refers to (format/codec.py's tagged ``{"__torchckpt__": "tensor"}`` leaves).
 
     Example:
         >>> sorted(tensor_keys({"w": {"__torchckpt__": "tensor", "key": "w"}, "n": [1, {"lr": 0.1}]}))

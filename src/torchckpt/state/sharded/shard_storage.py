@@ -14,7 +14,7 @@ Rules kept here (named in ``docs/design.md``):
 2. **[the index is JSON]** The coordinator writes ``shards.json``: every tensor's global shape and dtype,
    its chunks, and where each chunk's bytes are (file, byte offset, length, block hashes). Reading it
    never unpickles; DCP's ``Metadata`` is rebuilt from it field by field, each field checked.
-3. **[no bytes items]** Only tensors reach DCP: everything else in a state dict is JSON (sharded.py splits
+3. **[no bytes items]** Only tensors reach DCP: everything else in a state dict is JSON (save.py splits
    it off first). A write plan holding a non-tensor item is refused (DCP would ``torch.save`` it).
 4. **[every byte read is verified]** Each chunk's bytes are hashed in blocks of :data:`BLOCK_BYTES`
    measured from the chunk's start. A rank reads only the blocks that cover the part of a chunk it

@@ -38,7 +38,7 @@ class ShardedStep:
         return step_dir_name(self.manifest.step)
 
     def read_file(self, name: str) -> bytes:
-        """One small file of the step, whole, checked against the manifest's size and hash (format.py keeps
+        """One small file of the step, whole, checked against the manifest's size and hash (format/manifest.py keeps
         the manifest's names inside the step)."""
         expected = self.manifest.files.get(name)
         path = self.storage.path_of(self.entry, name)

@@ -14,7 +14,7 @@ from torchckpt.state.storage.base import StepWriter, split_pieces
 def write_hashed(
     writer: StepWriter, name: str, chunks: FileChunks, algorithm: str, hash_thread: ThreadPoolExecutor
 ) -> FileEntry:
-    """Write one file and hash it on the way (checkpointer.py's [hash while writing]): each piece is queued
+    """Write one file and hash it on the way (checkpointer/checkpointer.py's [hash while writing]): each piece is queued
     for hashing on ``hash_thread``, then written; returns its manifest entry.
 
     Example:

@@ -108,7 +108,7 @@ class FsspecStorage:
 
     def abandon_step(self, step: int) -> str:
         """Copy a committed step of an abandoned branch to ``abandoned/`` (manifest last), then remove it
-        (manifest first): no rename on object stores (branches.py)."""
+        (manifest first): no rename on object stores (checkpointer/branches.py)."""
         entry = step_dir_name(step)
         target = f"{ABANDONED_DIR}/{entry}-{uuid.uuid4().hex[:12]}"
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self._fs.ls(self._inner(entry), detail=False)]
