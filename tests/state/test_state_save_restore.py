@@ -64,7 +64,8 @@ def test_full_state_round_trips_bitwise(run_dir):
     assert scheduler2.state_dict() == scheduler.state_dict() and extras2 == extras
     assert (random.random(), np.random.rand()) == expected_rng[:2] and torch.equal(torch.rand(3), expected_rng[2])
     assert [b.tolist() for b in loader2] == expected_batches
-    # Creating the resumed iterator must not shift torch's RNG stream (live/capture.py's [RNG streams are restored last]).
+    # Creating the resumed iterator must not shift torch's RNG stream
+    # (live/capture.py's [RNG streams are restored last]).
     assert torch.equal(torch.rand(3), expected_after_loop)
 
 

@@ -171,7 +171,7 @@ class Checkpointer:
 
     def _save(self, step: int, metrics: Mapping[str, object] | None, items: Mapping[str, Any],
               rng: dict[str, Any] | None = None) -> None:
-        """Save ``step``; ``rng`` (the resume point's streams, save_resume_point_and_exit) replaces capturing them now."""
+        """Save ``step``; ``rng`` (the resume point's streams: save_resume_point_and_exit) replaces capturing them."""
         def prepare() -> tuple[Callable[[], None], Any, dict[str, float]]:
             self.wait()  # [one save in flight]
             check_step(step)
