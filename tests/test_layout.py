@@ -1,5 +1,6 @@
-"""The layout's rules, read off the source with ``ast``: applications are leaves, private names stay home,
-files stay small, and the three activation-checkpointing subsystems live in their own packages."""
+"""The layout's rules, read off the source with ``ast``: no import cycles (function-level imports included),
+applications are leaves, private names stay home, files stay small, the solver never needs torch, and the three
+activation-checkpointing subsystems live in their own packages."""
 
 from __future__ import annotations
 
@@ -40,6 +41,104 @@ def _imports(path: Path, module: str) -> list[tuple[str, str | None, int]]:
 MODULES = _modules()
 
 
+def _graph() -> dict[str, set[str]]:
+    """Module -> the torchckpt modules it imports anywhere (module level, in functions, under TYPE_CHECKING).
+
+    ``from package import name`` counts as an import of ``package.name`` when that is a module, else of
+    ``package``; a package's ``__init__`` run on the way to a submodule is not an edge (it would make every
+    module depend on ``torchckpt/__init__.py``)."""
+    graph: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        edges = set()
+        for imported, name, _ in _imports(path, module):
+            target = f"{imported}.{name}" if name and f"{imported}.{name}" in MODULES else imported
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                edges.add(target)
+        graph[module] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycles() -> None:
+    cycles = _cycles(_graph())
+    assert cycles == [], "import cycles (each line one strongly connected set of modules; break the edge that " \
+                         "points up the layers):\n" + "\n".join(" <-> ".join(cycle) for cycle in cycles)
+
+
+def test_the_cycle_check_can_fail() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    # a function-level import is an edge too
+    assert _imports(Path(__file__), "tests.test_layout").count(("torchckpt.planner", "solve", _LATE_IMPORT_LINE)) == 1
+
+
+def test_the_solver_needs_no_torch() -> None:
+    """Everything ``planner/solve`` imports, followed to the end, imports no torch (the subprocess test in
+    tests/planner/test_solve.py runs it with torch blocked)."""
+    graph = _graph()
+    seen, todo = set(), [m for m in MODULES if _inside(m, "torchckpt.planner.solve")]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(graph[module])
+    torch_users = sorted(m for m in seen for imported, _, _ in _imports(MODULES[m], m)
+                         if imported.split(".")[0] == "torch")
+    assert "torchckpt.planner.costs" in seen and torch_users == []
+
+
+def _late_import() -> object:
+    from torchckpt.planner import solve  # read by test_the_cycle_check_can_fail, never called
+
+    return solve
+
+
+_LATE_IMPORT_LINE = _late_import.__code__.co_firstlineno + 1
+
+
 def _violations(rule) -> list[str]:  # noqa: ANN001 - a predicate over (module, imported, name)
     out = []
     for module, path in MODULES.items():
@@ -78,7 +177,7 @@ def test_no_private_name_crosses_modules() -> None:
 def test_the_rules_above_can_fail() -> None:
     """The checks read real imports: this file's own imports are found, with their line numbers."""
     here = _imports(Path(__file__), "tests.test_layout")
-    assert ("ast", None, 6) in here and ("pathlib", "Path", 7) in here
+    assert ("ast", None, 7) in here and ("pathlib", "Path", 8) in here
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -111,9 +111,9 @@ def test_bad_inputs_get_clear_errors() -> None:
         solve(costs, 200.0)
     with pytest.raises(TypeError, match="budget_bytes must be an int"):
         solve(costs, True)
-    with pytest.raises(TypeError, match="costs must be a ChainCosts"):
+    with pytest.raises(TypeError, match="costs must be a cost model"):
         solve({"blocks": []}, 100)
-    with pytest.raises(TypeError, match="costs must be a ChainCosts"):
+    with pytest.raises(TypeError, match="costs must be a cost model"):
         evaluate(None, ())
     with pytest.raises(TypeError, match="schedule must be a tuple"):
         evaluate(costs, Single(0, 0))

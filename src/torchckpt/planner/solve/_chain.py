@@ -24,7 +24,8 @@ class Chain:
     @classmethod
     def of(cls, costs: CostModel) -> Chain:
         if not isinstance(costs, CostModel):
-            raise TypeError(f"costs must be a CostModel (torchckpt.planner.costs); got {type(costs).__name__}")
+            raise TypeError("costs must be a cost model (torchckpt.profile's ChainCosts, or a "
+                            f"planner.costs.CostModel); got {type(costs).__name__}")
         cache: dict = {}
         menus = []
         for block in costs.blocks:
