@@ -134,7 +134,8 @@ def _arm(point: str) -> None:
     """Make this process SIGKILL itself at ``point`` of the next sharded save."""
     import signal
 
-    from torchckpt.state import shard_storage, sharded
+    from torchckpt.state.sharded import save as sharded
+    from torchckpt.state.sharded import shard_storage
 
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -250,7 +251,7 @@ def failing_worker(rank: int, port: int, out_dir: str, world: int, directory: st
     import errno
     import time
 
-    from torchckpt.state import sharded
+    from torchckpt.state.sharded import save as sharded
 
     join(rank, world, port)
     model, optimizer = build("fsdp2", seed=0)

@@ -21,7 +21,7 @@ from torchckpt.state import Checkpointer, CheckpointLockedError, verify_checkpoi
 EXIT_SCRIPT = """
 import sys, time, torch
 from torchckpt.state import Checkpointer, CheckpointWriteError
-from torchckpt.state import checkpointer as module
+from torchckpt.state.checkpointer import checkpointer as module
 original = module.Checkpointer._write
 def slow_write(self, *args):
     time.sleep(0.5)
@@ -152,7 +152,7 @@ def test_dropped_async_checkpointer_finishes_its_save_first(run_dir):
 DROP_SCRIPT = """
 import gc, os, signal, sys, time, torch
 from torchckpt.state import Checkpointer
-from torchckpt.state import checkpointer as module
+from torchckpt.state.checkpointer import checkpointer as module
 original = module.Checkpointer._write
 def slow_write(self, *args):
     time.sleep(0.5)
