@@ -41,7 +41,7 @@ lint: $(STAMP)
 
 # The full benchmark against every peer (bench/README.md): ~30 min on a 2-core CPU. BENCH_ARGS=--quick for CI's.
 bench: $(STAMP)
-	MALLOC_MMAP_THRESHOLD_=65536 $(VENV)/bin/torchckpt bench $(BENCH_ARGS)
+	MALLOC_MMAP_THRESHOLD_=65536 $(PY) bench/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchckpt.bench.provenance import run_record, write_results
+from harness.provenance import run_record, write_results
 
 RESULTS = Path(__file__).parent / "results"
 BYTES_BACKEND = "aot_eager_decomp_partition"

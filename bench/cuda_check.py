@@ -11,7 +11,7 @@ else; the results file is rewritten after every section, so a run cut short keep
    and the time planning took.
 3. ``speed``: the same model, steps interleaved over rounds: no checkpointing, ``torch.utils.checkpoint``
    around every block, torchtitan's selective-op checkpointing (both by torch's own mechanisms,
-   ``bench.methods``) and a torchckpt plan made at the every-block method's measured peak; median step
+   ``harness.methods``) and a torchckpt plan made at the every-block method's measured peak; median step
    time with min-max, peaks, and the ratio to every block.
 4. ``state``: an async ``Checkpointer`` save of the CUDA model and its AdamW state (the staging buffer is
    pinned for CUDA tensors), restored bitwise into a fresh model; blocking and total save times.
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from torchckpt.bench.provenance import git_commit
+from harness.provenance import git_commit
 from torchckpt.memory import MemoryMeter, synchronize
 
 __all__ = ["SECTIONS", "main"]
@@ -151,8 +151,8 @@ def check_decoder(device: torch.device, quick: bool, budget: str, batch_size: in
 
 
 def _applied(spec: Any, model: Any, blocks: list, batch: dict) -> Callable[[], None]:
-    """Apply a peer method (``bench.methods``) to ``model``; returns its undo."""
-    from torchckpt.bench.methods import apply_method
+    """Apply a peer method (``harness.methods``) to ``model``; returns its undo."""
+    from harness.methods import apply_method
 
     return apply_method(spec, model, blocks, batch)[1]
 
@@ -160,7 +160,7 @@ def _applied(spec: Any, model: Any, blocks: list, batch: dict) -> Callable[[], N
 def check_speed(device: torch.device, quick: bool, batch_size: int, seq_len: int, rounds: int) -> dict[str, Any]:
     """Interleaved steps of each method on one model; the plan gets every block's measured peak as budget."""
     import torchckpt
-    from torchckpt.bench.methods import MethodSpec, apply_method
+    from harness.methods import MethodSpec, apply_method
 
     model, batch, blocks = build_decoder(quick, device, batch_size, seq_len)
     every = MethodSpec(kind="every_block", label="torch.utils.checkpoint every block")
@@ -239,7 +239,7 @@ def check_state(device: torch.device) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m torchckpt.bench.cuda_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python bench/cuda_check.py", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a dry run")
     parser.add_argument("--quick", action="store_true", help="a tiny decoder and 2 rounds (seconds)")
     parser.add_argument("--budget", default=None, help="the decoder's budget (default 50%%; 85%% with --quick)")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The CUDA validation kit (src/torchckpt/bench/cuda_check.py): one script, under 8 minutes on one GPU,
-# for a session that is lent one. Runs the suite's CUDA tests (`pytest -m cuda`), then the checks, and
-# writes bench/results/cuda-*.json (and copies them to $OUT when that is set, as on the device machine).
+# The CUDA validation kit (bench/cuda_check.py, on the harness in bench/harness/): one script, under
+# 8 minutes on one GPU, for a session that is lent one. Runs the suite's CUDA tests (`pytest -m cuda`), then
+# the checks, and writes bench/results/cuda-*.json (and copies them to $OUT when that is set, as on the
+# device machine).
 #
 #   bash bench/cuda_check.sh                       # on a machine with a GPU
 #   bash bench/cuda_check.sh --device cpu --quick  # a dry run anywhere (seconds; CI's tests run it)
@@ -23,6 +24,6 @@ case " $* " in
   *) timeout 150 "$PY" -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m cuda tests 2>&1 | tail -n 30 | tee bench/results/cuda-pytest.txt
      status=${PIPESTATUS[0]} ;;
 esac
-timeout 330 "$PY" -m torchckpt.bench.cuda_check --commit "$commit" "$@" || status=$?
+timeout 330 "$PY" bench/cuda_check.py --commit "$commit" "$@" || status=$?
 if [ -n "${OUT:-}" ]; then cp bench/results/cuda-* "$OUT"/ 2>/dev/null || true; fi
 exit "$status"

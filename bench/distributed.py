@@ -1,6 +1,6 @@
 """Plans under FSDP2 and DDP in real processes (gloo, CPU): per-rank budgets, predicted vs measured, exact.
 
-Each run is ``torchckpt.bench.distributed.prove``: ``world`` processes build the same model, wrap it
+Each run is ``harness.distributed.prove``: ``world`` processes build the same model, wrap it
 (FSDP2 ``fully_shard`` per block then the root; or DDP), take one AdamW step, profile together, and for
 each budget (a sweep from the per-rank floor to no checkpointing's predicted per-rank peak) plan, then
 measure the planned step on every rank against the same distributed step without the plan.
@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from torchckpt.bench.distributed import KINDS, prove
-from torchckpt.bench.provenance import run_record, write_results
+from harness.distributed import KINDS, prove
+from harness.provenance import run_record, write_results
 
 # (kind, model, ranks, budgets): FSDP2 at 4 budgets on 2 and 4 ranks, DDP at 2 budgets on 2 ranks.
 DEFAULT_RUNS = [("fsdp", "gpt-small", 2, 4), ("fsdp", "gpt-small", 4, 4), ("fsdp", "hf-llama", 2, 4),

@@ -34,7 +34,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import torchckpt
-from torchckpt.bench.provenance import run_record, write_results
+from harness.provenance import run_record, write_results
 from torchckpt.executor import OpInfo, dots_saveable
 
 RESULTS = Path(__file__).parent / "results"

@@ -1,9 +1,9 @@
 """How far from the model's optimum are plans? Predicted extra time vs the fractional-knapsack lower bound.
 
-For each model: profile once (with AdamW, as ``torchckpt bench`` does), then for each budget solve and
+For each model: profile once (with AdamW, as ``bench/run.py`` does), then for each budget solve and
 compute ``solve.recompute_lower_bound`` (docs/planner_solver.md, "A lower bound"): no schedule of the
 cost model has less extra time. Budgets: a sweep from the floor to no checkpointing's predicted peak,
-plus the peers' measured peaks from an earlier ``torchckpt bench`` results file when given. Nothing is
+plus the peers' measured peaks from an earlier ``bench/run.py`` results file when given. Nothing is
 timed but the profile, so this runs in minutes where the full benchmark runs in half an hour.
 
     MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python bench/lower_bound.py \\
@@ -22,10 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from torchckpt.bench.models import REGIME_MODELS
-from torchckpt.bench.provenance import run_record, write_results
-from torchckpt.bench.report import BOUND_TARGET, bound_rows
-from torchckpt.bench.worker import make_plans
+from harness.models import REGIME_MODELS
+from harness.provenance import run_record, write_results
+from harness.report import BOUND_TARGET, bound_rows
+from harness.worker import make_plans
 
 
 def _peer_peaks(path: str | None, model: str) -> dict[str, int]:
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(REGIME_MODELS))
     parser.add_argument("--budgets", type=int, default=8, help="sweep points from the floor to the plain peak")
-    parser.add_argument("--peers-from", default=None, help="a torchckpt bench results JSON: add its peers' peaks")
+    parser.add_argument("--peers-from", default=None, help="a bench/run.py results JSON: add its peers' peaks")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "lower_bound.json"))
     args = parser.parse_args(argv)
     if args.budgets < 2:

@@ -1,6 +1,6 @@
 """At the measured peak of "checkpoint every block", is torchckpt's plan faster? And what does planning cost?
 
-This one-model question is now a slice of the peer benchmark (``torchckpt bench``, bench/README.md):
+This one-model question is now a slice of the peer benchmark (``bench/run.py``, bench/README.md):
 the same harness, with only the "no checkpointing" and "every block" peers, on gpt('small') (batch
 2 x 256). Results: bench/results/planner_vs_every_block.{json,md} and a PNG.
 
@@ -13,18 +13,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from torchckpt.cli.main import main as torchckpt_main
+from run import main as run_main
 
 
 def main() -> int:
-    """Run ``torchckpt bench`` restricted to the every-block comparison on gpt-small."""
+    """Run ``bench/run.py`` restricted to the every-block comparison on gpt-small."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", default="5")
     parser.add_argument("--budgets", default="4")
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
-    return torchckpt_main(["bench", "--models", "gpt-small", "--peers", "none,every_block", "--repeats", args.repeats,
-                           "--budgets", args.budgets, "--name", "planner_vs_every_block", "--out-dir", args.out_dir])
+    return run_main(["--models", "gpt-small", "--peers", "none,every_block", "--repeats", args.repeats,
+                     "--budgets", args.budgets, "--name", "planner_vs_every_block", "--out-dir", args.out_dir])
 
 
 if __name__ == "__main__":

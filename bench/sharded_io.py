@@ -458,7 +458,7 @@ def _locate(sizes: list[int], at: int) -> tuple[int, int]:
 
 def run_ranks(worker: Any, world: int, cfg: dict[str, Any], deadline_s: float) -> list[dict[str, Any]]:
     """``worker(rank, port, out_dir, world, cfg)`` on ``world`` spawned processes; their records in rank order."""
-    from torchckpt.bench.distributed import spawn_processes
+    from torchckpt._testing import spawn_processes
 
     with tempfile.TemporaryDirectory(prefix="sharded-io-ranks-") as out_dir:
         codes = spawn_processes(worker, world, cfg, out_dir=out_dir, deadline_s=deadline_s)
@@ -587,7 +587,7 @@ def table(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the three phases, print the table, write the results file."""
-    from torchckpt.bench.provenance import run_record, write_results
+    from harness.provenance import run_record, write_results
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6, help="Linear layers of the MLP (default 6)")

@@ -1,4 +1,5 @@
-"""Every example in a public docstring runs and prints what it says."""
+"""Every example in a public docstring runs and prints what it says: torchckpt's modules and the benchmark's
+(bench/harness/ and bench/cuda_check.py, on ``sys.path`` by tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import pkgutil
 
 import pytest
 
+import harness
 import torchckpt
 
 
 def _modules() -> list[str]:
     names = [info.name for info in pkgutil.walk_packages(torchckpt.__path__, "torchckpt.")]
-    return sorted(name for name in names if not name.startswith("torchckpt.cli.main"))
+    bench = ["harness", *(info.name for info in pkgutil.walk_packages(harness.__path__, "harness.")), "cuda_check"]
+    return sorted(name for name in names if not name.startswith("torchckpt.cli.main")) + bench
 
 
 @pytest.mark.parametrize("module_name", _modules())

@@ -21,7 +21,6 @@ import datetime
 import gc
 import json
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Sequence
@@ -30,51 +29,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["KINDS", "free_port", "prove", "spawn_processes"]
+from torchckpt._testing import free_port
+
+__all__ = ["KINDS", "prove"]
 
 KINDS = ("ddp", "ddp-static", "fsdp")
 _TIMEOUT = datetime.timedelta(seconds=180)
 _STRAGGLER_S = 20.0
 _DDP_STEPS = 3
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group's rendezvous).
-
-    Example:
-        >>> 0 < free_port() < 65536
-        True
-    """
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def spawn_processes(worker: Any, world: int, *args: Any, out_dir: str, deadline_s: float) -> list[int | None]:
-    """``worker(rank, port, out_dir, world, *args)`` on ``world`` spawned processes, each left to live or die on
-    its own (``torch.multiprocessing`` kills the rest when one dies: a fault test needs the survivors); returns
-    the exit codes, None for a process still running at ``deadline_s``, which is then killed.
-
-    Example (``worker`` must be importable by the spawned processes)::
-
-        codes = spawn_processes(kill_worker, 3, directory, out_dir=out, deadline_s=120)  # e.g. [0, -9, 0]
-    """
-    import multiprocessing
-
-    context = multiprocessing.get_context("spawn")
-    port = free_port()
-    processes = [context.Process(target=worker, args=(rank, port, out_dir, world, *args)) for rank in range(world)]
-    for process in processes:
-        process.start()
-    end = time.monotonic() + deadline_s
-    for process in processes:
-        process.join(max(0.0, end - time.monotonic()))
-    codes = [process.exitcode for process in processes]
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join()
-    return codes
 
 
 class _CountAllGathers:
@@ -142,9 +104,10 @@ def _rank_main(rank: int, world: int, port: int, kind: str, model_name: str, bud
 def _prove_on_rank(record: dict[str, Any], rank: int, kind: str, model_name: str,
                    budgets: Sequence[str | int] | int) -> None:
     """One rank's part of ``prove``: fills ``record``."""
-    from torchckpt.bench.models import get_model
     from torchckpt.planner import apply_plan, profile, verify_plan
     from torchckpt.planner.runner import StepRunner
+
+    from .models import get_model
 
     entry = get_model(model_name)
     model, _ = entry.build(seed=0)

@@ -30,15 +30,16 @@ from typing import Any
 import torch
 
 from torchckpt._units import check_positive_int
-from torchckpt.bench.methods import PEER_KINDS, MethodSpec
-from torchckpt.bench.models import (
+
+from .methods import PEER_KINDS, MethodSpec
+from .models import (
     FULL_MODELS,
     QUICK_MODELS,
     get_model,
     uses_transformers,
 )
-from torchckpt.bench.provenance import git_commit
-from torchckpt.bench.worker import method_worker, planner_worker
+from .provenance import git_commit
+from .worker import method_worker, planner_worker
 
 __all__ = ["PEER_LABELS", "BenchConfig", "run_benchmark"]
 
@@ -156,7 +157,7 @@ def _context(models: tuple[str, ...]) -> Any:
     """A forkserver that has imported torch (and transformers) once: workers start clean and fast."""
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", _MMAP_THRESHOLD)  # read by glibc when the server starts
     context = multiprocessing.get_context("forkserver")
-    preload = ["torch", "torchckpt.bench.worker"]
+    preload = ["torch", f"{__package__}.worker"]  # this package, however it was imported
     if uses_transformers(models):
         preload += ["transformers", "transformers.models.llama.modeling_llama",
                     "transformers.models.gpt2.modeling_gpt2", "transformers.models.t5.modeling_t5"]

@@ -17,7 +17,7 @@ __all__ = ["FULL_MODELS", "MODELS", "QUICK_MODELS", "REGIME_MODELS", "ModelEntry
 
 FULL_MODELS: tuple[str, ...] = ("gpt-small", "unet-small", "hf-llama", "hf-gpt2", "hf-t5", "gpt-small-long")
 QUICK_MODELS: tuple[str, ...] = ("gpt-tiny", "hf-llama-tiny")
-# Activations >= 3x parameters + gradients + optimizer state (the regime users are in): ``torchckpt bench
+# Activations >= 3x parameters + gradients + optimizer state (the regime users are in): ``python bench/run.py
 # --models`` with these (bench/README.md).
 REGIME_MODELS: tuple[str, ...] = ("hf-llama-8x256", "hf-gpt2-8x256", "unet-small-b8", "hf-vit-224", "gpt-small-8x512")
 

@@ -81,7 +81,7 @@ def _pareto(models: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _speed(models: list[dict[str, Any]]) -> dict[str, Any]:
-    from torchckpt.bench.models import get_model
+    from .models import get_model
 
     rows = []
     for model in models:

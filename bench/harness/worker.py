@@ -30,11 +30,12 @@ from typing import Any
 
 import torch
 
-from torchckpt.bench.methods import MethodSpec, NotApplicableError, apply_method
-from torchckpt.bench.models import count_parameters, get_model
 from torchckpt.memory import MemoryMeter
 from torchckpt.memory.rss import read_rss_bytes, reset_peak_rss
 from torchckpt.planner import StepRunner, block_paths
+
+from .methods import MethodSpec, NotApplicableError, apply_method
+from .models import count_parameters, get_model
 
 __all__ = ["LEARNING_RATE", "method_worker", "planner_worker"]
 

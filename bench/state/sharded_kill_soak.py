@@ -20,9 +20,10 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "distributed"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench/: the harness package
 from sharded_workers import KILL_POINTS, dead_rank_trial
 
-from torchckpt.bench.provenance import run_record, write_results
+from harness.provenance import run_record, write_results
 
 
 def main() -> int:

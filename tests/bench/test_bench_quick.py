@@ -1,4 +1,4 @@
-"""`torchckpt bench --quick` end to end (what CI runs so the harness cannot rot), and the harness's parts."""
+"""`python bench/run.py --quick` end to end (what CI runs so the harness cannot rot), and the harness's parts."""
 
 from __future__ import annotations
 
@@ -10,16 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from torchckpt.bench import BenchConfig, MethodSpec, chain_reason, evaluate_targets
-from torchckpt.bench.models import QUICK_MODELS, get_model
+from harness import BenchConfig, MethodSpec, chain_reason, evaluate_targets
+from harness.models import QUICK_MODELS, get_model
+
+RUN = Path(__file__).resolve().parents[2] / "bench" / "run.py"
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("bench")
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    result = subprocess.run([sys.executable, "-m", "torchckpt.cli.main", "bench", "--quick", "--out-dir", str(out)],
-                            check=False, capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run([sys.executable, str(RUN), "--quick", "--out-dir", str(out)], check=False,
+                            capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads((out / "quick.json").read_text()), out, result
 
@@ -125,7 +127,7 @@ def test_reports_can_be_rewritten_from_the_json(quick: tuple[dict, Path, subproc
                                                 tmp_path: Path) -> None:
     results, out, _ = quick
     (tmp_path / "copy.json").write_text(json.dumps({**results, "name": "copy"}))
-    result = subprocess.run([sys.executable, "-m", "torchckpt.cli.main", "bench", "--from-json",
-                             str(tmp_path / "copy.json")], check=False, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, str(RUN), "--from-json", str(tmp_path / "copy.json")], check=False,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "copy.md").read_text().replace("copy", "quick") == (out / "quick.md").read_text()

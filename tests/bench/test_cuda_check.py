@@ -42,7 +42,7 @@ def test_the_dry_run_passes_every_section(tmp_path: Path) -> None:
 def test_cuda_without_a_gpu_is_one_clear_line(tmp_path: Path) -> None:
     import torch
 
-    from torchckpt.bench.cuda_check import main
+    from cuda_check import main
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is here")

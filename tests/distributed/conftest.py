@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from torchckpt.bench.distributed import free_port
+from torchckpt._testing import free_port
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchckpt import Checkpointer
-from torchckpt.bench.distributed import spawn_processes
+from torchckpt._testing import spawn_processes
 from torchckpt.state.format.codec import split_tensors
 
 WIDTH = 33  # odd: FSDP2 shards it unevenly on 2 and 4 ranks

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from torchckpt.bench.distributed import free_port
+from torchckpt._testing import free_port
 from torchckpt.train import read_losses
 
 PAGE = Path(__file__).parents[2] / "docs" / "distributed.md"

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from torchckpt.bench.distributed import prove
+from harness.distributed import prove
 from torchckpt.planner.plan import Plan
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from torchckpt import MemoryMeter
-from torchckpt.bench.distributed import free_port
+from torchckpt._testing import free_port
 
 
 def test_a_freed_and_refilled_storage_counts_when_it_changes() -> None:

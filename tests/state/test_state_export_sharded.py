@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from cli_helpers import run_cli
 from state_helpers import tiny_model, trained
 
-from torchckpt.bench.distributed import free_port
+from torchckpt._testing import free_port
 from torchckpt.state import Checkpointer, CheckpointFallbackWarning, export_model_weights
 from torchckpt.state.errors import CheckpointCorruptError, CheckpointMismatchError
 from torchckpt.state.format.layout import step_dir_name

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchckpt import Checkpointer
-from torchckpt.bench.distributed import free_port
+from torchckpt._testing import free_port
 from torchckpt.state import UnsupportedStateError
 
 
