@@ -7,7 +7,7 @@ each fraction ``b``:
 
 1. **bytes**: compile's step is measured with the ``aot_eager_decomp_partition`` backend (inductor's
    decompositions and partitioner, but every op of the compiled graphs dispatches through the meter, so
-   ``MemoryMeter`` measures the compiled step exactly: Note: [compiled code is measured where its ops
+   ``MemoryMeter`` measures the compiled step exactly: meter.py's [compiled code is measured where its ops
    dispatch]); that peak ``P_b`` is the budget of a torchckpt plan (one eager profile, solved per budget),
    and the plan, applied and compiled the same way, is measured too (it must fit ``P_b``);
 2. **time**: compile at ``b`` and the plan at ``P_b`` run under ``backend`` (inductor by default), each in

@@ -4,7 +4,8 @@
 gloo backend, CPU). Each builds the same model (seed 0) and its own batch (seed = rank), wraps it
 (``"fsdp"``: ``fully_shard`` on every block, then on the root, as torchtitan does; ``"ddp"``:
 ``DistributedDataParallel``, optionally ``static_graph``), takes one AdamW step so the optimizer state
-exists, profiles once (every rank, Note: [a distributed model is planned by all its ranks]) and, for each
+exists, profiles once (every rank, planner/distributed.py's [a distributed model is planned by all its
+ranks]) and, for each
 budget (a share of the per-rank plain peak), makes the plan and measures it with ``verify_plan``:
 measured peak on this rank, predicted peak, gradients and buffers against the same distributed step
 without the plan, bitwise. For FSDP2 it also counts the all-gathers of a plain and a planned step.

@@ -1,7 +1,7 @@
 """The benchmark's suites: which models of the registry (``torchckpt.models.registry``) each run uses.
 
 Models are built by name from the one registry, in every worker process alike
-(the registry's Note: [build seeds itself]).
+(registry.py's [build seeds itself]).
 """
 
 from __future__ import annotations

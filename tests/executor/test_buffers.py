@@ -1,6 +1,6 @@
 """Recomputation leaves buffers alone: BatchNorm statistics and any other buffer end as after the forward.
 
-Note: [recomputation leaves buffers alone]. Each checkpointed step is compared bitwise, buffers and
+checkpoint.py's [recomputation leaves buffers alone]. Each checkpointed step is compared bitwise, buffers and
 gradients, with the same step run on an uncheckpointed deep copy of the same model.
 """
 

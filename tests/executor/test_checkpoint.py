@@ -96,7 +96,7 @@ def test_nested_checkpoints_and_autograd_grad() -> None:
 
 @pytest.mark.parametrize("inner_policy", ["plain", "nothing_saveable", "dots_saveable", "everything_saveable"])
 def test_nested_region_holds_only_its_input(inner_policy: str) -> None:
-    """Note: [nested checkpoints keep nothing]: whatever the inner checkpoints keep, the enclosing region
+    """checkpoint.py's [nested checkpoints keep nothing]: whatever the inner checkpoints keep, the enclosing region
     holds only its own input."""
     torch.manual_seed(0)
     blocks = [_block(width=64, dropout=0.1) for _ in range(3)]
@@ -143,7 +143,7 @@ def test_kept_value_modified_in_place_is_recomputed() -> None:
 
 
 def test_retain_graph_second_backward_recomputes_served_values() -> None:
-    """Note: [kept outputs are handed over once]: a second backward recomputes them, same gradients."""
+    """checkpoint.py's [kept outputs are handed over once]: a second backward recomputes them, same gradients."""
     block, x = _block(dropout=0.3), torch.randn(8, 16, requires_grad=True)
     torch.manual_seed(2)
     out = checkpoint(block, x, policy="dots_saveable")
@@ -233,7 +233,7 @@ def test_recomputation_running_other_ops_is_reported() -> None:
 
 
 def test_without_checks_a_region_that_keeps_nothing_runs_no_mode_of_ours_and_torch_still_checks() -> None:
-    """Note: [a region that keeps nothing runs on torch's checkpoint alone]: no op is recorded in the forward
+    """checkpoint.py's [a region that keeps nothing runs on torch's checkpoint alone]: no op is recorded in the forward
     pass (a policy that is never asked), and a recomputation of a different shape is still refused, by
     torch's own determinism check."""
     asked: list[str] = []

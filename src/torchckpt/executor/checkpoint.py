@@ -21,7 +21,8 @@ Design rules (named so code and tests can point at them; collected in docs/desig
 4. **[detach is invisible]** ``aten.detach`` is invisible to both modes: autograd's own bookkeeping
    detaches saved tensors during recomputation but not during the forward pass.
 5. **[the executor overrides the policy]** The policy rules of ``policies.py`` hold whatever the policy
-   says: Note: [no view, in-place or random op is kept] and Note: [a value written in place is recomputed]
+   says: policies.py's [no view, in-place or random op is kept] and policies.py's [a value written in place is
+   recomputed]
    (views, in-place and random ops are never kept; kept values modified in place later, inside or after
    the region, are recomputed instead of served).
 6. **[nested checkpoints keep nothing]** A checkpoint nested inside another checkpointed region keeps
@@ -151,7 +152,7 @@ class CheckpointRecord:
 
     def forget_mutated(self, args: tuple, kwargs: dict) -> None:
         """A kept value written in place is dropped, so recomputation rebuilds it.
-        Note: [the executor overrides the policy]."""
+        [the executor overrides the policy]."""
         for value in tree_flatten((args, kwargs))[0]:
             if isinstance(value, torch.Tensor):
                 key = _storage_key(value)
@@ -161,7 +162,7 @@ class CheckpointRecord:
     def serve(self, index: int) -> Any | None:
         """Hand a kept output to recomputation and drop the cache's reference; None when the value was
         modified in place since it was kept (even after the region returned): recompute it.
-        Note: [kept outputs are handed over once]."""
+        [kept outputs are handed over once]."""
         spec, flat = self.cache.pop(index)
         versions = self.cache_versions.pop(index)
         for value in flat:
@@ -213,7 +214,7 @@ class _RecomputeMode(_RegionMode):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         super().__exit__(exc_type, exc, tb)
-        self.writes.restore()  # Note: [recomputation leaves buffers alone]
+        self.writes.restore()  # [recomputation leaves buffers alone]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -299,10 +300,10 @@ def checkpoint(
         policy: what to keep: None (= ``"nothing_saveable"``), a policy name, a :class:`Policy` or a
             callable ``(OpInfo) -> bool``. ``"everything_saveable"`` runs ``fn`` plainly.
         preserve_rng_state: restore RNG state for recomputation (dropout gives identical masks).
-        use_reentrant: only ``False`` is accepted (Note: [non-reentrant only]).
+        use_reentrant: only ``False`` is accepted ([non-reentrant only]).
         debug: record the forward pass and check its recomputation op by op
             (``RecomputationMismatchError``) even when the policy keeps nothing; see
-            ``recompute_checks()`` and Note: [a region that keeps nothing runs on torch's checkpoint alone].
+            ``recompute_checks()`` and [a region that keeps nothing runs on torch's checkpoint alone].
 
     Example:
         >>> layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
@@ -327,10 +328,10 @@ def checkpoint(
         return fn(*args, **kwargs)
     if torch.compiler.is_compiling():  # Note: [under torch.compile a region is torch's checkpoint]
         return checkpoint_while_compiling(fn, args, kwargs, resolved)
-    if TAG_STATE.active_regions:  # Note: [nested checkpoints keep nothing]
+    if TAG_STATE.active_regions:  # [nested checkpoints keep nothing]
         resolved = nothing_saveable
     if resolved.keeps_nothing and not debug and not TAG_STATE.checks:
-        # Note: [a region that keeps nothing runs on torch's checkpoint alone]
+        # [a region that keeps nothing runs on torch's checkpoint alone]
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                                            context_fn=plain_contexts, **kwargs)
     region = CheckpointRecord(policy=resolved, fn_name=function_name(fn))

@@ -13,11 +13,11 @@ blocks compiled one by one share code, and each policy still gets its own graph 
 its code only, and a second block would reuse the first block's choices). Higher-order ops inside a region are
 never kept. The executor rules that need no dispatch mode of ours hold there too: views, in-place and random
 ops are never kept. Buffers written inside a region (BatchNorm statistics) are functionalised by AOTAutograd
-and written once by the forward graph, so recomputation cannot write them twice (Note: [recomputation leaves
+and written once by the forward graph, so recomputation cannot write them twice (checkpoint.py's [recomputation leaves
 buffers alone] holds by construction). Not carried over: the op-by-op recompute check (``debug=True``,
 ``recompute_checks``; run ``verify_plan`` eagerly), ``tag`` names (``OpInfo.tag_name`` is None under compile,
 so ``save_only_these_names`` keeps nothing and ``save_anything_except_these_names`` keeps every keepable op),
-Note: [nested checkpoints keep nothing] (a checkpoint nested in another keeps what its policy says under
+checkpoint.py's [nested checkpoints keep nothing] (a checkpoint nested in another keeps what its policy says under
 compile; plans' regions nest only regions that keep nothing), and a policy that combines ``save_ops``
 positions (refused).
 
@@ -175,7 +175,7 @@ def sac_contexts(policy: Policy) -> tuple[Any, Any]:
         seen[name] += 1
         flat = tree_flatten(ctx.op_output)[0]
         if not can_keep(func, flat, None):
-            keep = False  # Note: [no view, in-place or random op is kept]
+            keep = False  # policies.py's [no view, in-place or random op is kept]
         elif policy.occurrences is not None:
             keep = (name, occurrence) in policy.occurrences
             expected = policy.occurrences.get((name, occurrence))

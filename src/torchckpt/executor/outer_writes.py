@@ -1,4 +1,4 @@
-"""Undo what a recomputation writes to tensors it did not create (Note: [recomputation leaves buffers alone]).
+"""Undo what a recomputation writes to tensors it did not create (checkpoint.py's [recomputation leaves buffers alone]).
 
 A recomputation (of a checkpointed region, or of a checkpointed loop's steps) runs a forward pass a
 second time; whatever that forward writes in place to tensors from outside it (a BatchNorm's running
@@ -45,7 +45,7 @@ def _written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
 
 class WriteLog:
     """Copies of the tensors from outside a recomputation that it writes in place, to put back at its end.
-    Note: [recomputation leaves buffers alone].
+    checkpoint.py's [recomputation leaves buffers alone].
 
     Example:
         >>> log, buffer = WriteLog(), torch.zeros(2)
@@ -93,7 +93,7 @@ class WriteLog:
 
 class UndoOuterWrites(TorchDispatchMode):
     """A dispatch mode that, when it exits, puts back every tensor that existed before it was entered and
-    was written in place inside it (Note: [recomputation leaves buffers alone]). The checkpointed loops
+    was written in place inside it (checkpoint.py's [recomputation leaves buffers alone]). The checkpointed loops
     recompute their steps under it; a checkpointed region's recompute mode does the same by itself.
 
     Example:

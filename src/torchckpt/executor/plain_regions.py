@@ -1,4 +1,4 @@
-"""Regions that keep nothing run on torch's checkpoint alone (Note: [a region that keeps nothing runs on
+"""Regions that keep nothing run on torch's checkpoint alone (checkpoint.py's [a region that keeps nothing runs on
 torch's checkpoint alone], stated in ``executor/checkpoint.py``): the contexts ``checkpoint`` hands to
 ``torch.utils.checkpoint.checkpoint`` for them, and ``recompute_checks``, which turns the op-by-op
 recompute check back on for every region.
@@ -18,7 +18,7 @@ __all__ = ["CountRegion", "CountsRegion", "UndoWritesRegion", "plain_contexts", 
 class recompute_checks:  # noqa: N801 (used as a context manager, like torch.no_grad)
     """Inside this context every checkpointed region records its forward pass and checks its
     recomputation op by op (``RecomputationMismatchError``), also regions whose policy keeps nothing,
-    which otherwise skip the check (Note: [a region that keeps nothing runs on torch's checkpoint alone]).
+    which otherwise skip the check (checkpoint.py's [a region that keeps nothing runs on torch's checkpoint alone]).
     ``verify_plan`` runs the plan's step inside it. Per thread; contexts nest.
 
     Example:

@@ -4,7 +4,7 @@ The names and meanings follow ``jax.checkpoint_policies``. A policy is a callabl
 :class:`OpInfo` (an op that just ran in the forward pass of a checkpointed region) and returns ``True``
 to keep its outputs for the backward pass, ``False`` to recompute them.
 
-Rules the executor applies around any policy (see ``checkpoint.py``, Note: [the executor overrides the policy]):
+Rules the executor applies around any policy (checkpoint.py's [the executor overrides the policy]):
 
 1. **[no view, in-place or random op is kept]** View, in-place and random ops are never kept (a view is
    free to recompute; keeping an in-place result would skip the mutation; a random op must draw again
@@ -131,7 +131,7 @@ class Policy:
         self.name = name
         self._decide = decide
         # True when the policy is known to keep no op: the executor then records nothing in the forward
-        # pass (Note: [a region that keeps nothing runs on torch's checkpoint alone]).
+        # pass (checkpoint.py's [a region that keeps nothing runs on torch's checkpoint alone]).
         self.keeps_nothing = keeps_nothing
         # A policy that decides by ``OpInfo.index`` (``save_ops``) cannot be asked under torch.compile, whose
         # traced graph numbers ops differently; ``occurrences`` says the same choice as (op name, how many ops
@@ -350,7 +350,7 @@ def _is_keepable(func: Any, tag_name: str | None) -> bool:
 
 def can_keep(func: Any, flat: list[Any], tag_name: str | None) -> bool:
     """Whether a policy is asked about this op at all: every output is a tensor and the op is not a view,
-    in-place or random op (Note: [no view, in-place or random op is kept]). The profiler offers the planner only
+    in-place or random op ([no view, in-place or random op is kept]). The profiler offers the planner only
     ops that pass.
 
     Example:

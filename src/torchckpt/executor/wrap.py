@@ -74,7 +74,7 @@ class CheckpointHandle:
 
 def wrap_forward(module: nn.Module, forward: Callable[..., Any], wrapped: list[nn.Module]) -> None:
     """Give ``module`` the instance-level ``forward`` and append it to ``wrapped``
-    (Note: [wrapping sets only forward], Note: [wrap once, remove exactly]).
+    ([wrapping sets only forward], [wrap once, remove exactly]).
 
     On an error every module in ``wrapped`` is unwrapped first, so a half-applied wrap never stays.
 

@@ -24,7 +24,7 @@ Rules kept here (named in ``docs/design.md``'s style; the state package's notes 
    ``_load_rng_state`` (the RNG streams; Note: [restore is bit-exact]). Nothing is ever unpickled.
 3. **[one step per resume]** The step is chosen once (the newest valid one, falling back past corrupt ones
    as ``Checkpointer.restore`` does); every later read asks for that very step.
-4. **[one process]** One writer per directory (Note: [one writer per directory]): ``train`` refuses
+4. **[one process]** One writer per directory (checkpointer.py's [one writer per directory]): ``train`` refuses
    distributed training, DeepSpeed and FSDP, whose state is sharded across processes.
 """
 

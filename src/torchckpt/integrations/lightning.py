@@ -8,7 +8,7 @@ Rules kept here (named in ``docs/design.md``'s style; the state package's notes 
 
 1. **[a Lightning path is a checkpoint directory]** Each path Lightning asks for (``.../last.ckpt``,
    ``.../epoch=0-step=10.ckpt``) is a torchckpt run directory holding one committed step: the save is a
-   ``Checkpointer.save`` (hashed while written, committed by a rename; Note: [local commit is a rename]) and
+   ``Checkpointer.save`` (hashed while written, committed by a rename; local.py's [local commit is a rename]) and
    the step before it is removed only after the new one is committed (``keep_last=1``), so a ``kill -9`` at
    any instant leaves the path holding the old or the new checkpoint, never a half one, never nothing.
    **[a first save appears whole]** A path's first save is written to a hidden ``.tmp-NAME-*`` sibling

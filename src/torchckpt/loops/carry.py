@@ -116,7 +116,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class AutocastState:
-    """Autocast settings of the forward pass, re-entered for every recomputation (runner.py's
+    """Autocast settings of the forward pass, re-entered for every recomputation (loops/runner.py's
     [checkpoints hold carry and RNG]).
 
     Example:

@@ -32,7 +32,7 @@ How it works (the rules the code keeps, by name):
    checked and raise otherwise.
    Recomputation runs under ``UndoOuterWrites``, so buffers the steps write in place (BatchNorm
    statistics of a module ``step_fn`` calls) end as after the forward pass, updated once per step
-   (Note: [recomputation leaves buffers alone], in ``executor/checkpoint.py``).
+   (checkpoint.py's [recomputation leaves buffers alone], in ``executor/checkpoint.py``).
 6. **[loop stats are passed in]** No global state: counts and the actions run are written to a
    ``LoopStats`` the caller passes in.
 """

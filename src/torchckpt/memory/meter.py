@@ -27,6 +27,9 @@ How the CPU meter counts (the rules every figure it reports obeys, named in ``do
    (Dynamo skips frames only under modes that do not). With ``backend="aot_eager"`` every op of the
    compiled graphs dispatches through the meter, so the peak is the compiled step's; inductor's kernels
    allocate their buffers outside the dispatcher and are not counted (measure peak RSS for inductor).
+   Higher-order ops reach the meter's ``__torch_dispatch__``: the two that wrap one op in compiled graphs
+   (``run_and_save_rng_state``, ``run_with_rng_state``) run there; any other (``cond``, flex attention) is
+   refused, since its body would run unseen.
 
 On CUDA the numbers come from the caching allocator (``torch.cuda.memory_allocated`` and
 ``max_memory_allocated``), which already follow the same rules at block granularity.
@@ -184,7 +187,7 @@ class _StorageTracker(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        """Compiled code keeps running compiled inside the meter (Note: [compiled code is measured where its ops
+        """Compiled code keeps running compiled inside the meter ([compiled code is measured where its ops
         dispatch]): Dynamo skips frames only under modes that do not say this."""
         return True
 

@@ -69,7 +69,7 @@ def _hidden(output: Any) -> Any:
 
 def _run_pieces(pieces: Sequence[PlanPiece], forwards: list[Callable[..., Any]], args: tuple, kwargs: dict) -> Any:
     """Run ``pieces`` as a chain from ``args``; nested pieces are checkpointed
-    (Note: [nested checkpoints keep nothing])."""
+    (checkpoint.py's [nested checkpoints keep nothing])."""
     output: Any = None
     for piece in pieces:
         if isinstance(piece, PlannedRegion):

@@ -21,7 +21,7 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
 3. **[what a piece holds]** After its forward pass a piece holds: a plain block ``saved_bytes``, plus
    ``x_i`` when ``input_held_when_plain``; a checkpointed block ``x_i + kept`` (``kept`` = bytes of the
    op outputs its option keeps); a region ``x_i`` of its first block. Inside a region, blocks can only
-   be plain or keep nothing (Note: [nested checkpoints keep nothing]).
+   be plain or keep nothing (checkpoint.py's [nested checkpoints keep nothing]).
    ``input_held_when_plain`` is measured: whether block ``i``'s input was still alive when its
    backward pass began in the plain step. Autograd keeps an input only if some op saves it: a linear
    layer whose weight needs no gradient saves its weight but not its input, so a post-norm block

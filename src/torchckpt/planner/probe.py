@@ -143,7 +143,8 @@ class _Recorder(TorchDispatchMode):
         synchronize(self.device)
         elapsed = time.perf_counter() - start
         index = len(block.ops)
-        # A value written in place is never served from a cache (Note: [a value written in place is recomputed]).
+        # A value written in place is never served from a cache (policies.py's [a value written in place is
+        # recomputed]).
         if func._schema.is_mutable:
             for arg in flat_args:
                 owner = self._created.get(id(arg.untyped_storage())) if isinstance(arg, torch.Tensor) else None

@@ -143,7 +143,7 @@ def profile(
         (2, 8192)
     """
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
-    group = process_group_of(model)  # Note: [a distributed model is planned by all its ranks]
+    group = process_group_of(model)  # planner/distributed.py's [a distributed model is planned by all its ranks]
     block_list = resolve_blocks(model, blocks)
     regions_off = sharded_blocks_note(block_list) if regions else "off (profiled with regions=False)"
     runner = StepRunner(model, example_inputs, loss_fn, optimizer, step_fn=step_fn)
@@ -166,7 +166,7 @@ def profile(
     if group is None:
         return costs
     costs = replace(costs, notes={**costs.notes, "engine": str(engine_of(model))})
-    return agree_costs(costs, group)  # Note: [ranks agree on the costs]
+    return agree_costs(costs, group)  # planner/distributed.py's [ranks agree on the costs]
 
 
 def _engine_warm_up(runner: StepRunner, block_list: list[nn.Module]) -> None:

@@ -157,7 +157,7 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
         plain_buffers = _buffer_bytes(model)
         _put_back_buffers(model, start)  # the planned step starts from the same buffers
         # Every region's recomputation is checked op by op here, also those that keep nothing
-        # (Note: [a region that keeps nothing runs on torch's checkpoint alone]); the step time includes it.
+        # (checkpoint.py's [a region that keeps nothing runs on torch's checkpoint alone]); the step time includes it.
         with apply_plan(model, plan), recompute_checks():
             peak, step_time, grads = _measured_step(runner, seed)
         differing = _first_difference(_buffer_bytes(model), plain_buffers)

@@ -228,8 +228,8 @@ def train(config: TrainConfig, *, say: Callable[[str], None] = print, display: D
     record = _check_identity(run_dir, config)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    ranks = join_process_group()  # Note: [the main job runs on torchrun]
-    if ranks is not None and not ranks.leader:  # Note: [rank 0 speaks for the run]
+    ranks = join_process_group()  # train/distributed.py's [the main job runs on torchrun]
+    if ranks is not None and not ranks.leader:  # train/distributed.py's [rank 0 speaks for the run]
         say, display, live = (lambda text: None), QuietDisplay(), False
     checkpointer: Checkpointer | NotSaved = (
         Checkpointer(run_dir / "checkpoints", keep_last=3, save_every_steps=config.save_every,
@@ -284,7 +284,7 @@ def _plan(config: TrainConfig, record: dict[str, Any], model: nn.Module, example
     baseline_path = run_dir / "baseline.json"
     if ranks is None:
         plan, how = load_or_make_plan(run_dir / "plan.json", model, example, config.budget, record.get("plan_budget"))
-    else:  # every rank plans (a collective: Note: [a distributed model is planned by all its ranks])
+    else:  # every rank plans (a collective: planner/distributed.py's [a distributed model is planned by all its ranks])
         plan = plan_without_side_effects(model, example, config.budget)
         how = f"planned on {ranks.world} processes, one plan for all; saved to {run_dir / 'plan.json'}"
         if ranks.leader:
@@ -383,7 +383,8 @@ def _train_steps(config: TrainConfig, plan: Plan, step: int, items: dict[str, An
                     value = loss.item()
                     del loss
                 step_s = time.perf_counter() - start
-                if ranks is not None:  # Note: [rank 0 speaks for the run]: the mean of the ranks' losses
+                # train/distributed.py's [rank 0 speaks for the run]: the mean of the ranks' losses
+                if ranks is not None:
                     value = ranks.mean(value)
                 if not first_of_session:  # the first step of a process pays for allocation and warm-up
                     progress["timed_steps"] += 1

@@ -32,7 +32,7 @@ class Single:
     """One block run with one menu option: ``block_menu(costs.blocks[block])[option]``.
 
     Option 0 is plain (no checkpoint); the last option keeps nothing. Inside a ``Region`` only these two
-    are allowed (Note: [nested checkpoints keep nothing]).
+    are allowed (checkpoint.py's [nested checkpoints keep nothing]).
 
     Example:
         >>> Single(block=3, option=0)

@@ -244,7 +244,7 @@ def apply_item(name: str, obj: object, kind: str, state: Any, source: str) -> No
         live.clear()
         live.update(state)
         return
-    # Note: [restore in place when nobody can tell]
+    # [restore in place when nobody can tell]
     if isinstance(obj, torch.nn.Module) and _load_module_without_copy(obj, state):
         return
     try:

@@ -21,7 +21,7 @@ from torchckpt.state.errors import CheckpointWriteError, fix_for_os_error
 
 # Files are written and read in pieces of this size: small enough that hashing piece k overlaps
 # writing/reading piece k+1 in another thread, large enough that syscalls cost nothing
-# (Note: [hash while writing], Note: [one read per file]).
+# (checkpointer.py's [hash while writing], read/step.py's [one read per file]).
 PIECE_BYTES = 16 << 20
 
 Buffer = bytes | memoryview
