@@ -193,3 +193,26 @@ def test_three_subsystems_in_three_packages() -> None:
     # The solver is pure: it never imports torch (tests/planner/test_solve.py runs it with torch blocked).
     solver = [m for m in MODULES if _inside(m, "torchckpt.planner.solve")]
     assert solver and not [v for v in _violations(lambda m, i, n: m in solver and i.split(".")[0] == "torch")]
+
+
+# state/'s subpackages from the bottom up: each may import only errors.py and the ones before it (their
+# __init__ docstrings say the same).
+STATE_LAYERS = ("errors", "process", "live", "format", "storage", "read", "sharded", "checkpointer")
+
+
+def _state_layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["torchckpt", "state"] or len(parts) < 3:
+        return None
+    return STATE_LAYERS.index(parts[2]) if parts[2] in STATE_LAYERS else None
+
+
+def test_state_subpackages_import_downwards() -> None:
+    assert sorted(p.name for p in (SRC / "state").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(
+        STATE_LAYERS[1:])
+    upward = [f"{m} imports {i}" for m, edges in _graph().items() for i in edges
+              if _state_layer(m) is not None and _state_layer(i) is not None and _state_layer(i) > _state_layer(m)]
+    assert upward == []
+    for layer in STATE_LAYERS[1:]:
+        doc = ast.get_docstring(ast.parse((SRC / "state" / layer / "__init__.py").read_text())) or ""
+        assert "import" in doc, f"state/{layer}/__init__.py must say what it may import"
