@@ -9,7 +9,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench setup clean
+.PHONY: demo test test-all test-fast lint bench setup clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,14 +27,20 @@ setup: $(STAMP)
 demo: $(STAMP)
 	MALLOC_MMAP_THRESHOLD_=65536 $(VENV)/bin/torchckpt train
 
+# The fast tier (what CI runs): every test not marked slow; each behaviour the slow tier checks is checked
+# here too, at a small size. The 25 slowest tests are listed at the end.
 test: $(STAMP)
-	MALLOC_MMAP_THRESHOLD_=65536 $(PY) -m pytest -q tests
+	MALLOC_MMAP_THRESHOLD_=65536 $(PY) -m pytest -q -m "not slow" --durations=25 tests
 
-# The suite without the tests marked slow, stopping at the first failure.
+# Both tiers: the fast one plus soaks, multi-process kill trials, full-size benchmarks and big outside models.
+test-all: $(STAMP)
+	MALLOC_MMAP_THRESHOLD_=65536 $(PY) -m pytest -q --durations=25 tests
+
+# The fast tier, stopping at the first failure.
 test-fast: $(STAMP)
 	MALLOC_MMAP_THRESHOLD_=65536 $(PY) -m pytest -q -x -m "not slow" tests
 
-# ruff (rules in pyproject.toml's [tool.ruff]) and mypy ([tool.mypy]: src/torchckpt).
+# ruff (rules in pyproject.toml's [tool.ruff]) and mypy ([tool.mypy]: src/torchckpt, bench/harness, bench/cuda_check.py).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy

@@ -37,7 +37,7 @@ def _worker(rank: int, port: int, out: str, twice: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
     result = _profile_on_rank(rank, twice)
-    gc.collect()  # the DDP model (and a traceback holding it) goes before its group: see bench.distributed
+    gc.collect()  # the DDP model (and a traceback holding it) goes before its group: see bench/harness/distributed.py
     with open(os.path.join(out, f"{rank}.json"), "w") as handle:
         json.dump(result, handle)
     dist.destroy_process_group()

@@ -1,6 +1,6 @@
 """A rank SIGKILLed during a sharded save: no step is committed, every survivor raises an error naming the
 missing rank within the timeout (never hangs), and the restarted job resumes from the last committed step.
-Four trials here, one per kill point; ``bench/sharded_kill_soak.py`` runs the same harness with random
+Four trials here, one per kill point; ``bench/state/sharded_kill_soak.py`` runs the same harness with random
 points and victims (``--trials 20`` and more)."""
 
 from __future__ import annotations
