@@ -1,4 +1,4 @@
-"""Sharded checkpoints (state/sharded.py) on real gloo ranks: saved by one world size, restored on another,
+"""Sharded checkpoints (state/sharded/) on real gloo ranks: saved by one world size, restored on another,
 the parameters and optimizer state are bitwise the full state gathered at save time; on the same world size
 training goes on bitwise as if never interrupted; rank-local state follows the rule in docs/state.md."""
 

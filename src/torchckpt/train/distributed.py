@@ -8,7 +8,7 @@ Rules kept here (named in ``docs/design.md``):
    rank its own share of the data (a distributed sampler seeded with ``--seed``) and plans once on
    all ranks for a per-rank budget. ``torchckpt train --nproc N`` starts torchrun itself.
 2. **[every rank saves its shard]** On several processes the job's Checkpointer writes sharded
-   checkpoints (state/sharded.py): every rank takes part in each save and restore. Run again on the
+   checkpoints (state/sharded/): every rank takes part in each save and restore. Run again on the
    same number of processes, the job resumes bit-exactly; on another number, the model and AdamW are
    resharded exactly and the data loader starts its epoch again (rank_local.py's [the rank-local rule]).
 3. **[rank 0 speaks for the run]** Every rank trains; only rank 0 prints, writes the run directory
