@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # plans under compile within budget: tests/executor/test_compiled.py
 def test_quick_run_plans_at_compiles_peaks_within_them(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "compiled.py"), "--quick", "--out", str(tmp_path)],
                           cwd=ROOT, env={**os.environ}, capture_output=True, text=True, timeout=600)

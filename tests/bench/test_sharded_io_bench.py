@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SAVE = ("torchckpt save", "dcp.save (FileSystemWriter)", "raw write (write+fsync)")
 RESTORE = ("torchckpt restore", "dcp.load (FileSystemReader) + set_state_dict",
@@ -30,6 +32,7 @@ def _positive(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow  # a benchmark's quick run; sharded save and restore are tested in tests/distributed
 def test_quick_run_writes_every_method(tmp_path: Path) -> None:
     out = tmp_path / "sharded_io.json"
     # a script run, not an import: its spawned ranks find their worker functions in the script's __main__

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the same kill harness at one point: tests/distributed/test_sharded_dead_rank.py
 def test_one_trial_passes_and_is_recorded(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "state" / "sharded_kill_soak.py"), "--trials", "1",
                            "--seed", "0", "--timeout-s", "10", "--out", str(tmp_path)], capture_output=True,

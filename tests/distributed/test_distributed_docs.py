@@ -37,7 +37,7 @@ def _command(line: str) -> list[str]:
     return TORCHRUN + words[1:]
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["fsdp2", "ddp"])
+@pytest.mark.parametrize("index", [0, pytest.param(1, marks=pytest.mark.slow)], ids=["fsdp2", "ddp"])
 def test_recipe_runs_on_two_processes(index: int, tmp_path: Path) -> None:
     recipes = _blocks("python")
     assert len(recipes) == 2
@@ -50,6 +50,7 @@ def test_recipe_runs_on_two_processes(index: int, tmp_path: Path) -> None:
         assert re.search(rf"rank {rank}: \d+ <= \d+ bytes: True, gradients equal: True", done.stdout), done.stdout
 
 
+@pytest.mark.slow  # the same job on two processes: tests/train/test_train_distributed.py
 def test_training_commands_run_as_written(tmp_path: Path) -> None:
     one_machine, two_machines = _blocks("bash", after="## The training job on several processes")[:2]
     for line in one_machine.splitlines():

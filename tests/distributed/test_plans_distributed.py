@@ -47,13 +47,14 @@ def test_fsdp2_two_ranks_four_budgets_from_the_floor() -> None:
     assert Plan.from_json(floor["plan"]).budget_bytes == floor["budget_bytes"]
 
 
-@pytest.mark.parametrize("kind", ["ddp", "ddp-static"])
+@pytest.mark.parametrize("kind", ["ddp", pytest.param("ddp-static", marks=pytest.mark.slow)])
 def test_ddp_two_budgets(kind: str) -> None:
     records = _check(prove(kind, "gpt-mini", 2, 2), 2)
     # the plan stays applied for 3 steps in a row: no "Expected to mark a variable ready only once"
     assert all(item["ddp_steps_with_plan"] == 3 for record in records for item in record["plans"])
 
 
+@pytest.mark.slow  # FSDP2 on two ranks: test_fsdp2_two_ranks_four_budgets_from_the_floor
 def test_fsdp2_four_ranks() -> None:
     _check(prove("fsdp", "gpt-mini", 4, 2), 2)
 

@@ -28,7 +28,8 @@ def _check_bitwise(result: dict) -> None:
     assert result["unequal"] == []
 
 
-@pytest.mark.parametrize(("world", "mode"), [(2, "fsdp2"), (2, "ddp"), (1, "single"), (4, "fsdp2")])
+@pytest.mark.parametrize(("world", "mode"), [(2, "fsdp2"), (2, "ddp"), (1, "single"),
+                                             pytest.param(4, "fsdp2", marks=pytest.mark.slow)])
 def test_saved_by_two_fsdp2_ranks_restores_bitwise(spawn_ranks, saved_by_two, world: int, mode: str) -> None:
     directory, saved = saved_by_two
     results = spawn_ranks(restore_worker, world, mode, directory, {})
@@ -43,7 +44,8 @@ def test_saved_by_two_fsdp2_ranks_restores_bitwise(spawn_ranks, saved_by_two, wo
 
 
 @pytest.mark.parametrize(("saved_world", "saved_mode", "world", "mode"),
-                         [(4, "fsdp2", 2, "fsdp2"), (2, "ddp", 2, "fsdp2"), (1, "single", 2, "fsdp2")])
+                         [pytest.param(4, "fsdp2", 2, "fsdp2", marks=pytest.mark.slow), (2, "ddp", 2, "fsdp2"),
+                          (1, "single", 2, "fsdp2")])
 def test_reshards_between_world_sizes_and_engines(spawn_ranks, tmp_path: Path, saved_world: int, saved_mode: str,
                                                    world: int, mode: str) -> None:
     directory = str(tmp_path / "ckpt")

@@ -193,6 +193,24 @@ def test_batchnorm_statistics_are_updated_once_under_compile() -> None:
         assert torch.equal(value, plain_buffers[name]), name
 
 
+def test_a_checkpoint_under_inductor_matches_inductor_without_it() -> None:
+    """The slow test below at a small size: one checkpointed function with a selective policy, inductor's
+    kernels, gradients as inductor gives them without checkpointing."""
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 16)
+    x = torch.randn(4, 16)
+
+    def f(v: torch.Tensor) -> torch.Tensor:
+        return torch.sin(layer(torch.relu(layer(v)))).sum()
+
+    torch.compile(f, backend="inductor")(x).backward()
+    plain = layer.weight.grad.clone()
+    layer.zero_grad(set_to_none=True)
+    torch.compile(lambda v: checkpoint(f, v, policy="dots_saveable"), backend="inductor")(x).backward()
+    assert _graph_breaks() == {}
+    torch.testing.assert_close(layer.weight.grad, plain, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_a_plan_under_inductor_matches_inductor_without_it() -> None:
     """Inductor's kernels allocate outside the dispatcher, so the meter does not measure them: gradients only here;

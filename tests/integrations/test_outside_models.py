@@ -24,7 +24,10 @@ from torchckpt.planner import solve as solver
 from torchckpt.planner.from_costs import no_checkpointing_schedule
 from torchckpt.planner.runner import StepRunner
 
-pytestmark = pytest.mark.slow
+# The fast tier plans one model of each kind (an HF decoder, a CNN, a diffusers UNet, a PEFT adapter) at every
+# budget; the other families run in the slow tier (make test-all).
+FAST = {"llama", "resnet", "unet", "lora_llama"}
+assert FAST <= set(BUILDERS), FAST - set(BUILDERS)
 
 # Defects found: (model, budget) -> the reason; these stay strict (xfail(strict=True)).
 KNOWN_DEFECTS: dict[tuple[str, str], str] = {}
@@ -121,7 +124,7 @@ def _params(names: list[str], budgets: tuple[str, ...]) -> list:
     out = []
     for name in names:
         for budget in budgets:
-            marks = []
+            marks = [] if name in FAST else [pytest.mark.slow]
             if (name, budget) in KNOWN_DEFECTS:
                 marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_DEFECTS[(name, budget)]))
             out.append(pytest.param(name, budget, id=f"{name}-{budget}", marks=marks))

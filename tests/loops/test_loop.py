@@ -269,7 +269,8 @@ def measure(steps: int, checkpoints: int | None, online: bool = False) -> tuple[
 
 
 @pytest.mark.parametrize("online", [False, True], ids=["loop", "while"])
-@pytest.mark.parametrize("checkpoints,steps", [(1, 24), (4, 96), (9, 96)])
+@pytest.mark.parametrize("checkpoints,steps", [(1, 24), (4, 24), pytest.param(4, 96, marks=pytest.mark.slow),
+                                               pytest.param(9, 96, marks=pytest.mark.slow)])
 def test_memory_is_checkpoints_plus_constant_carries(checkpoints: int, steps: int, online: bool) -> None:
     forward, total, carry = measure(steps, checkpoints, online)
     # Forward: the stored carries (x_0 is the caller's, already in the baseline) plus, at the newest

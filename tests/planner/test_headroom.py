@@ -54,7 +54,8 @@ def _every_block_peak(model: torch.nn.Module, batch: tuple, blocks: list) -> int
     return meter.peak_bytes
 
 
-@pytest.mark.parametrize("build", [_gpt_tiny, _gpt_mini, _unet], ids=["gpt-tiny", "gpt-mini", "unet"])
+@pytest.mark.parametrize("build", [_gpt_tiny, pytest.param(_gpt_mini, marks=pytest.mark.slow),
+                                   pytest.param(_unet, marks=pytest.mark.slow)], ids=["gpt-tiny", "gpt-mini", "unet"])
 def test_a_budget_at_the_measured_every_block_peak_is_feasible_and_holds(build) -> None:  # noqa: ANN001
     torch.manual_seed(0)
     model, batch = build()

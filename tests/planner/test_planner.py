@@ -67,7 +67,11 @@ def _unet() -> tuple[torch.nn.Module, tuple]:
     return model, model.example_batch(batch_size=2, image_size=32)
 
 
-@pytest.mark.parametrize("build", [_gpt_small, _unet, _llama, _gpt2, _bert, _t5],
+# In the fast tier: an HF decoder (a chain) and T5 (not a chain) at a small size; the rest in the slow tier.
+@pytest.mark.parametrize("build", [pytest.param(_gpt_small, marks=pytest.mark.slow),
+                                   pytest.param(_unet, marks=pytest.mark.slow), _llama,
+                                   pytest.param(_gpt2, marks=pytest.mark.slow),
+                                   pytest.param(_bert, marks=pytest.mark.slow), _t5],
                          ids=["gpt-small", "unet", "hf-llama", "hf-gpt2", "hf-bert", "hf-t5"])
 def test_eight_budgets_fit_predictions_hold_and_gradients_are_exact(build) -> None:  # noqa: ANN001
     torch.manual_seed(0)
@@ -90,12 +94,14 @@ def test_eight_budgets_fit_predictions_hold_and_gradients_are_exact(build) -> No
     assert statistics.median(errors) <= 0.05 and max(errors) <= 0.10, errors
 
 
-def test_frontier_nests_below_checkpointing_every_block_on_gpt_small() -> None:
+@pytest.mark.parametrize(("size", "batch_size"), [("mini", 8), pytest.param("small", 16, marks=pytest.mark.slow)])
+def test_frontier_nests_below_checkpointing_every_block(size: str, batch_size: int) -> None:
     """Nesting can only help once the inputs the blocks hold outweigh the parameter gradients that are
-    alive when block 0 runs backward (batch x tokens > 12 x width): 16 x 384 tokens at width 384."""
+    alive when block 0 runs backward (batch x tokens > 12 x width): 8 x 384 tokens at width 128 (mini),
+    16 x 384 at width 384 (small)."""
     torch.manual_seed(0)
-    model = gpt("small")
-    batch = model.example_batch(batch_size=16, seq_len=384)
+    model = gpt(size)
+    batch = model.example_batch(batch_size=batch_size, seq_len=384)
     paths = [f"blocks.{i}" for i in range(len(model.blocks))]
     costs = profile(model, batch)
     front = frontier_from_costs(costs, points=6, block_paths=paths, model_fingerprint=fingerprint(model, batch, paths))

@@ -41,8 +41,7 @@ def _killpg_at(run_dir: str, log: str, at_step: int, delay_s: float) -> subproce
     return subprocess.CompletedProcess(process.args, process.returncode, "", stderr)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("at_step, delay_s", [(11, 0.0), (19, 0.02)])
+@pytest.mark.parametrize("at_step, delay_s", [(11, 0.0), pytest.param(19, 0.02, marks=pytest.mark.slow)])
 def test_sigterm_to_the_process_group_saves_and_resumes_bitwise(tmp_path, at_step, delay_s):
     reference = _reference(tmp_path, VARIANT)
     run_dir, log = str(tmp_path / "run"), str(tmp_path / "interrupted.log")

@@ -66,16 +66,17 @@ def _start_and_interrupt(
     return process.returncode
 
 
+# One case in the fast tier (SIGKILL of an async-saving run); the others in the slow tier.
 CASES = [
-    ("adamw-onecycle-sync", signal.SIGKILL, 0),
-    ("sgd-step-async", signal.SIGKILL, 1),
-    ("adamw-step-preempt", signal.SIGTERM, 2),
-    ("adamw-onecycle-staged", signal.SIGKILL, 3),
+    pytest.param("adamw-onecycle-sync", signal.SIGKILL, 0, marks=pytest.mark.slow, id="adamw-onecycle-sync-SIGKILL"),
+    pytest.param("sgd-step-async", signal.SIGKILL, 1, id="sgd-step-async-SIGKILL"),
+    pytest.param("adamw-step-preempt", signal.SIGTERM, 2, marks=pytest.mark.slow, id="adamw-step-preempt-SIGTERM"),
+    pytest.param("adamw-onecycle-staged", signal.SIGKILL, 3, marks=pytest.mark.slow,
+                 id="adamw-onecycle-staged-SIGKILL"),
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("variant, how, seed", CASES, ids=[f"{c[0]}-{c[1].name}" for c in CASES])
+@pytest.mark.parametrize("variant, how, seed", CASES)
 def test_interrupted_run_resumes_bit_exactly(tmp_path, variant, how, seed):
     chooser = random.Random(seed)
     reference = _reference(tmp_path, variant)

@@ -486,7 +486,8 @@ def test_crafted_state_json_numbers_make_restore_fall_back(run_dir, two_steps, c
     _restore_falls_back_to_1(run_dir, two_steps, "state.json")
 
 
-def test_ls_and_verify_show_control_characters_escaped(tmp_path, capsys):
+def test_ls_and_verify_show_control_characters_escaped(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # the table wraps at the terminal's width, which would split a path
     run_dir = str(tmp_path / "run\x1b[31mred")  # a directory name from a glob over someone else's files
     with Checkpointer(run_dir) as ckpt:
         ckpt.save(1, model=tiny_model(), metrics={"\x1b]0;pwned\x07\x1b[2J\x1b[31mloss\x9b": 0.5})
