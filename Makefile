@@ -27,14 +27,15 @@ setup: $(STAMP)
 demo: $(STAMP)
 	MALLOC_MMAP_THRESHOLD_=65536 $(VENV)/bin/torchckpt train
 
-# The fast tier (what CI runs): every test not marked slow, on two pytest-xdist workers; each behaviour the
+# The fast tier (what CI runs): every test not marked slow, on two pytest-xdist workers of one thread each
+# (two threads each would oversubscribe two cores); each behaviour the
 # slow tier checks is checked here too, at a small size. The 25 slowest tests are listed at the end.
 test: $(STAMP)
-	MALLOC_MMAP_THRESHOLD_=65536 $(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=25 tests
+	OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow" --durations=25 tests
 
 # Both tiers: the fast one plus soaks, multi-process kill trials, full-size benchmarks and big outside models.
 test-all: $(STAMP)
-	MALLOC_MMAP_THRESHOLD_=65536 $(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
+	OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 $(PY) -m pytest -q -n 2 --dist worksteal --durations=25 tests
 
 # The fast tier, stopping at the first failure.
 test-fast: $(STAMP)

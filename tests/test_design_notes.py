@@ -17,7 +17,7 @@ SRC = ROOT / "src" / "torchckpt"
 DESIGN = ROOT / "docs" / "design.md"
 
 _RULE = re.compile(r"\*\*\[([^\]\n]+)\]\*\*")
-_NOTE_CITED = re.compile(r"Note: \[([^\]\n]+)\]")
+_NOTE_CITED = re.compile(r"Note: \[([^\]\n<][^\]\n]*)\]")  # ``Note: [<name>]`` is the form, in prose
 _RULE_CITED = re.compile(r"([A-Za-z_][\w/]*\.py)'s \[([^\]\n]+)\]")
 _INDEX_LINE = re.compile(r"^- `([\w/]+\.py)`: (.*)$")
 
@@ -93,8 +93,27 @@ def index_mismatches(sources: dict[str, str], design: str) -> list[str]:
     return problems
 
 
+def _prose() -> dict[str, str]:
+    """The Markdown that cites notes and rules too: docs/, README.md, CONTRIBUTING.md, bench/README.md."""
+    paths = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md", ROOT / "CONTRIBUTING.md",
+             ROOT / "bench" / "README.md"]
+    return {path.relative_to(ROOT).as_posix(): path.read_text() for path in paths if path != DESIGN}
+
+
 def test_every_citation_resolves() -> None:
-    assert broken_citations(_sources(), DESIGN.read_text()) == []
+    sources = _sources()
+    assert broken_citations(sources, DESIGN.read_text()) == []
+    rules = {name for names in rules_by_module(sources).values() for name in names}
+    known_notes = notes(DESIGN.read_text())
+    problems = []
+    for where, text in _prose().items():
+        text = _flat(text)
+        problems += [f"{where}: Note: [{n}] is not a note" for n in _NOTE_CITED.findall(text) if n not in known_notes]
+        for cited, rule in _RULE_CITED.findall(text):
+            owners = resolve(cited, list(sources))
+            if len(owners) != 1 or rule not in rules_by_module(sources).get(owners[0], []):
+                problems.append(f"{where}: {cited}'s [{rule}] names no rule of one module ({owners})")
+    assert problems == [] and rules
 
 
 def test_the_index_lists_each_modules_rules() -> None:

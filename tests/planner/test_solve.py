@@ -85,7 +85,7 @@ def test_checkpoint_options_inside_a_region_are_refused() -> None:
     costs = ChainCosts(fixed_bytes=0, head_bytes=0, blocks=(block, block))
     assert len(block_menu(block)) == 3
     evaluate(costs, (Single(0, 1), Single(1, 0)))  # allowed at the top level
-    with pytest.raises(ValueError, match=r"Note: \[nested checkpoints keep nothing\]"):
+    with pytest.raises(ValueError, match=r"checkpoint.py's \[nested checkpoints keep nothing\]"):
         evaluate(costs, (Region(0, 2, (Single(0, 1), Single(1, 0))),))
 
 

@@ -1,4 +1,4 @@
-"""The infeasible-budget message told where paths and the plain peak are known (``make_plan``).
+"""The infeasible-budget message told where paths and the plain peak are known (``from_costs``).
 
 The solver (no torch, no modules) raises ``InfeasibleBudgetError`` naming the floor in bytes and the
 block index where it binds; ``with_paths`` tells it again with the floor as a share of the

@@ -1,4 +1,4 @@
-"""Measure a model into a cost model (``costs.ChainCosts``). Measures only; decides nothing.
+"""Measure a model into a cost model (``from_costs.ChainCosts``). Measures only; decides nothing.
 
 One file on purpose (~440 lines): the block hooks, the op recorder and the assembly of the costs all
 read the marks of the same measured steps; split, each part would need the others' internals.

@@ -46,7 +46,7 @@ def _check_single(chain: Chain, piece: Single, inside: Region | None) -> None:
     if inside is not None and piece.option not in (0, len(menu) - 1):
         raise ValueError(f"{piece} inside Region({inside.start}, {inside.stop}): inside a region a block is plain "
                          f"(option 0) or keeps nothing (option {len(menu) - 1}, the last); a checkpoint nested in a "
-                         f"region keeps nothing (docs/design.md, checkpoint.py's [nested checkpoints keep nothing])")
+                         f"region keeps nothing (executor/checkpoint.py's [nested checkpoints keep nothing])")
 
 
 def _walk(chain: Chain, pieces: Sequence[Piece], start: int, stop: int, context: int, gradient: int,
