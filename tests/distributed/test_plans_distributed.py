@@ -34,8 +34,9 @@ def _check(records: list[dict], budgets: int) -> list[dict]:
     return records
 
 
-def test_fsdp2_two_ranks_four_budgets_from_the_floor() -> None:
-    records = _check(prove("fsdp", "gpt-mini", 2, 4), 4)
+@pytest.mark.parametrize("budgets", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_fsdp2_two_ranks_budgets_from_the_floor(budgets: int) -> None:
+    records = _check(prove("fsdp", "gpt-mini", 2, budgets), budgets)
     for record in records:
         assert record["notes"]["regions"].startswith("off: ")  # FSDP2 units are checkpointed one by one
         for item in record["plans"]:
@@ -56,7 +57,7 @@ def test_ddp_plans(kind: str, model: str, budgets: int) -> None:
     assert all(item["ddp_steps_with_plan"] == 3 for record in records for item in record["plans"])
 
 
-@pytest.mark.slow  # FSDP2 on two ranks: test_fsdp2_two_ranks_four_budgets_from_the_floor
+@pytest.mark.slow  # FSDP2 on two ranks: test_fsdp2_two_ranks_budgets_from_the_floor
 def test_fsdp2_four_ranks() -> None:
     _check(prove("fsdp", "gpt-mini", 4, 2), 2)
 
