@@ -174,6 +174,11 @@ def test_crash_and_resume_in_process(tmp_path: Path, async_save: bool, grad_accu
     assert [segment[0][1] for segment in _segments(read_losses(str(tmp_path / "run.txt")))] == [0, 4]
     assert _losses(crashing) == {s: v for s, v in _losses(plain).items() if s <= 6}
     assert _losses(resumed) == _losses(plain)  # steps 1..4 from the restored log_history, 5..10 trained again
+    # nothing in the run directory is a pickle (the slow SIGKILL chain checks the same on a longer run)
+    everything = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert any(p.name == "model.safetensors" for p in everything)
+    assert not [p for p in everything if p.suffix in {".pt", ".pth", ".bin", ".pkl", ".pickle"}]
+    assert not [p for p in everything if p.read_bytes()[:2] in (b"\x80\x02", b"\x80\x04", b"\x80\x05")]
 
 
 def test_a_missing_directory_starts_fresh_and_resume_flags_are_checked(tmp_path: Path) -> None:
