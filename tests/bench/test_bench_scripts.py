@@ -27,11 +27,8 @@ def _resolves(module: str, attribute: str) -> bool:
 
 
 def test_sharded_io_times_parts_that_exist() -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import sharded_io
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    import sharded_io  # bench/ is on sys.path (tests/conftest.py)
+
     parts = {**sharded_io.SAVE_PARTS, **sharded_io.RESTORE_PARTS}
     assert len(parts) >= 6
     missing = [(label, where[0]) for label, where in parts.items() if not _resolves(*where[0])]
