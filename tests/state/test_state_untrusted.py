@@ -387,6 +387,28 @@ def test_export_error_names_the_missing_directory(run_dir, two_steps, tmp_path):
     assert "free space" not in str(caught.value)
 
 
+def test_a_step_deleted_while_the_steps_are_listed_is_not_called_a_file(run_dir, monkeypatch):
+    """Retention deletes a step between the reader's two looks at it (found by the test below under load)."""
+    with Checkpointer(run_dir) as ckpt:
+        ckpt.save(1, model=torch.nn.Linear(2, 2))
+    step_dir = os.path.join(run_dir, step_dir_name(1))
+    real_lexists = os.path.lexists
+
+    def lexists_then_delete(path):  # the step existed when asked, and is gone right after
+        found = real_lexists(path)
+        if path == step_dir and found:
+            shutil.rmtree(path)
+        return found
+
+    monkeypatch.setattr(os.path, "lexists", lexists_then_delete)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [info.step for info in list_checkpoints(run_dir)] in ([1], [])
+    Path(run_dir, step_dir_name(2)).write_text("")  # a file named like a step is still refused with the warning
+    with pytest.warns(CheckpointFallbackWarning, match="a file named like a step directory"):
+        list_checkpoints(run_dir)
+
+
 def test_readers_beside_a_real_writer_with_keep_last_1_never_see_corruption(run_dir):
     """The issue's measurement (170 of 937 verify calls said CORRUPT), for 3 s: now none do, and load always
     finds a step."""

@@ -61,7 +61,9 @@ def step_numbers(storage: Storage) -> list[int]:
     steps = []
     for step, entry in sorted(storage.step_entries().items()):
         root = local_step_dir(storage, entry)
-        if root is not None and os.path.lexists(root) and not os.path.isdir(root):
+        # isdir first: a step retention deletes meanwhile is not a file named like a step (lexists, then isdir,
+        # would say so when the deletion lands between them)
+        if root is not None and not os.path.isdir(root) and os.path.lexists(root):
             warnings.warn(f"{root}: a file named like a step directory, not a checkpoint; ignored. Fix: remove "
                           "or rename it", CheckpointFallbackWarning, stacklevel=3)
             continue
