@@ -16,6 +16,7 @@ from torch import nn
 from torchckpt.executor import CheckpointHandle, checkpoint, save_ops, wrap_forward
 from torchckpt.executor.compiled import uncompiled
 from torchckpt.executor.kv_cache import disable_kv_cache
+from torchckpt.executor.loss_head import ChunkedHeadHandle
 from torchckpt.planner.blocks import positional_form
 from torchckpt.planner.plan import Plan, PlannedRegion, PlanPiece
 
@@ -29,7 +30,10 @@ def apply_plan(model: nn.Module, plan: Plan) -> CheckpointHandle:
     blocks ``a..b-1`` runs, from block ``a``'s forward, all of its blocks inside one checkpoint (the
     inner plan applied inside), and blocks ``a+1..b-1`` pass their input through. This needs the model
     to call its blocks as a chain (each block's first argument is the previous block's output, the
-    other arguments are shared), which the profiler checks before a plan with regions is made.
+    other arguments are shared), which the profiler checks before a plan with regions is made. A plan with a
+    chunked loss head (``plan.loss_head``) makes that head return deferred logits whose cross-entropy is
+    computed in chunks (``executor/loss_head.py``); a loop that reads them whole gets them, with a warning that
+    the plan's peak assumed otherwise.
 
     Example:
         >>> import torchckpt
@@ -55,6 +59,10 @@ def apply_plan(model: nn.Module, plan: Plan) -> CheckpointHandle:
             policy = save_ops(piece.keep, name=f"plan:{plan.block_paths[piece.block]}",
                               ops=piece.keep_ops if piece.keep_ops or not piece.keep else None)
             wrap_forward(block, functools.partial(checkpoint, block.forward, policy=policy), wrapped)
+    if plan.loss_head:  # checked by check_fits: an nn.Linear at that path
+        head = model.get_submodule(plan.loss_head["path"])
+        chunked = ChunkedHeadHandle(head=head, chunk_tokens=plan.loss_head["chunk_tokens"], warn=True)
+        wrap_forward(head, chunked.forward, wrapped)
     # Note: [KV cache off while checkpointing]
     # The profiler measured every step, the plain one too, with the cache off: so is the model under any plan,
     # even one that recomputes nothing, or its peak would differ from the prediction.

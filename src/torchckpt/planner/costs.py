@@ -61,8 +61,11 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
    gradient of the region's output, ``y`` of its last block unless that block is n-1 (that gradient is
    in C).
 7. **[predicted peak is the maximum]** The predicted peak is the maximum of [forward-end peak],
-   [backward peak] and [forward peak] over the plan; extra time is the sum of recompute times: a
+   [backward peak], [forward peak] over the plan and [backward-end peak]; extra time is the sum of recompute times: a
    checkpointed block's option time, a region's forward time plus its inside's extra time.
+7b. **[backward-end peak]** After block 0's backward pass the plan no longer matters: what runs then
+   (the embeddings' backward pass, beside every parameter gradient) peaks at ``fixed_bytes + tail_bytes``,
+   measured. It binds only once the rest of the step is small (a chunked loss head, many blocks recomputed).
 8. **[measured schedules are predicted as measured]** Two schedules are measured when profiling: no
    checkpointing, which the rules above predict exactly by construction (the profiler's residues are
    fitted to that step), and every block checkpointed keeping nothing (what
@@ -98,6 +101,25 @@ def _check_non_negative(owner: str, **values: float) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"{owner}.{name} must be a number >= 0; got {value!r}")
+
+
+_LOSS_HEAD_KEYS = {"path": str, "chunk_tokens": int, "head_bytes": int, "extra_time_s": float}
+
+
+def _check_loss_head(owner: str, entry: object) -> None:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{owner}.loss_head must be a dict; got {entry!r}")
+    if not entry or set(entry) == {"note"}:
+        return
+    if set(entry) - {"note"} != set(_LOSS_HEAD_KEYS):
+        raise ValueError(f"{owner}.loss_head must have the keys {sorted(_LOSS_HEAD_KEYS)} (or only 'note'); "
+                         f"got {sorted(entry)}")
+    for key, kind in _LOSS_HEAD_KEYS.items():
+        value = entry[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+            raise ValueError(f"{owner}.loss_head[{key!r}] must be a {kind.__name__}; got {value!r}")
+    _check_non_negative(f"{owner}.loss_head", chunk_tokens=entry["chunk_tokens"] - 1, head_bytes=entry["head_bytes"],
+                        extra_time_s=entry["extra_time_s"])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,7 +181,9 @@ class CostModel:
     Besides the terms of the peak model: ``step_time_s`` (a bare plain training step, seconds);
     ``every_block_peak_bytes`` and ``every_block_step_time_s`` (the measured peak and step time with
     every block checkpointed keeping nothing; 0 when not measured, see [measured schedules are predicted
-    as measured]); ``margin_bytes`` (the margin ``margin="auto"`` gives plans that were not measured,
+    as measured]); ``loss_head`` (the LM head computed in chunks of tokens, a plan option: ``path``,
+    ``chunk_tokens``, ``head_bytes`` replacing the plain ``head_bytes`` when chosen, ``extra_time_s``; or only a
+    ``note`` saying why there is none; planner/head.py); ``margin_bytes`` (the margin ``margin="auto"`` gives plans that were not measured,
     [a margin only where a plan was not measured]); ``block_paths`` and ``fingerprint`` (the model's
     block module paths and ``plan.fingerprint``, recorded by ``profile`` so that ``ChainCosts.plan`` can make
     plans from these costs alone).
@@ -183,13 +207,17 @@ class CostModel:
     margin_bytes: int = 0
     block_paths: tuple[str, ...] = ()
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    loss_head: dict[str, Any] = field(default_factory=dict)
+    tail_bytes: int = 0
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
+        _check_loss_head(kind, self.loss_head)
         _check_non_negative(kind, fixed_bytes=self.fixed_bytes, head_bytes=self.head_bytes,
                             region_recompute_bytes=self.region_recompute_bytes, step_time_s=self.step_time_s,
                             every_block_peak_bytes=self.every_block_peak_bytes,
-                            every_block_step_time_s=self.every_block_step_time_s, margin_bytes=self.margin_bytes)
+                            every_block_step_time_s=self.every_block_step_time_s, margin_bytes=self.margin_bytes,
+                            tail_bytes=self.tail_bytes)
         for name in ("every_block_peak_bytes", "margin_bytes"):
             if not isinstance(getattr(self, name), int):
                 raise ValueError(f"{kind}.{name} must be an int number of bytes; got {getattr(self, name)!r}")

@@ -200,7 +200,7 @@ def _numbers(costs: ChainCosts) -> list[float]:
     """Every measured figure, in a fixed order; booleans as 0/1 so that the largest is "any rank"."""
     values: list[float] = [costs.fixed_bytes, costs.head_bytes, costs.region_recompute_bytes, costs.step_time_s,
                            costs.every_block_peak_bytes, costs.every_block_step_time_s, costs.margin_bytes,
-                           0.0 if costs.chain else 1.0]
+                           0.0 if costs.chain else 1.0, costs.tail_bytes]
     for b in costs.blocks:
         values += [b.input_bytes, b.output_bytes, b.saved_bytes, b.forward_time_s, b.forward_peak_bytes,
                    b.backward_peak_bytes, b.recompute_peak_bytes, float(b.input_held_when_plain),
@@ -220,6 +220,7 @@ def _rebuild(costs: ChainCosts, numbers: list[float], notes: dict[str, str]) -> 
     data.update(fixed_bytes=whole(), head_bytes=whole(), region_recompute_bytes=whole(), step_time_s=next(it),
                 every_block_peak_bytes=whole(), every_block_step_time_s=next(it), margin_bytes=whole())
     any_rank_not_chain = next(it) > 0
+    data["tail_bytes"] = whole()
     data["chain"] = costs.chain and not any_rank_not_chain
     for block in data["blocks"]:
         block.update(input_bytes=whole(), output_bytes=whole(), saved_bytes=whole(), forward_time_s=next(it),

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from torchckpt._units import parse_bytes, parse_percent
+from torchckpt._units import format_bytes, parse_bytes, parse_percent
 from torchckpt.planner import solve as solver
 from torchckpt.planner.costs import BlockCosts, CostModel
 from torchckpt.planner.infeasible import with_paths
 from torchckpt.planner.plan import Plan, PlannedBlock, PlannedRegion, PlanPiece
 
-__all__ = ["ChainCosts", "check_margin_form", "no_checkpointing_schedule", "plan_from_costs", "plan_pieces",
-           "regions_note", "resolve_budget", "resolve_margin"]
+__all__ = ["ChainCosts", "check_margin_form", "floor_over_options", "head_options", "loss_head_note", "no_checkpointing_schedule",
+           "plan_from_costs", "plan_pieces", "regions_note", "resolve_budget", "resolve_margin", "with_head_note"]
 
 
 def no_checkpointing_schedule(costs: CostModel) -> tuple:
@@ -199,21 +199,105 @@ def plan_from_costs(costs: CostModel, budget: int | str, *, block_paths: Sequenc
     budget_bytes = resolve_budget(budget, costs)
     margin_bytes = resolve_margin(margin, costs, budget_bytes)
     no_regions = regions_note(costs, regions)
-    try:
-        solution = solver.solve(costs, budget_bytes, allow_regions=no_regions is None, margin_bytes=margin_bytes)
-    except solver.InfeasibleBudgetError as error:  # told again with the paths and the plain peak
-        plain, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
-        raise with_paths(error, block_paths, int(plain)) from None
-    menus = [solver.block_menu(block) for block in costs.blocks]
     plain_peak, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
-    applied = solver.schedule_margin_bytes(costs, solution.schedule, margin_bytes)
+    found: list[tuple[float, int, solver.Solution, CostModel, dict[str, Any]]] = []
+    errors: list[solver.InfeasibleBudgetError] = []
+    for rank, (option, head) in enumerate(head_options(costs)):
+        try:
+            solution = solver.solve(option, budget_bytes, allow_regions=no_regions is None, margin_bytes=margin_bytes)
+        except solver.InfeasibleBudgetError as error:
+            errors.append(error)
+            continue
+        extra = float(costs.loss_head["extra_time_s"]) if head else 0.0
+        found.append((solution.extra_time_s + extra, rank, solution, option, head))
+    if not found:  # told again with the paths, the plain peak, and the loss head's part
+        lowest = min(errors, key=lambda error: error.floor_bytes)
+        raise with_paths(with_head_note(lowest, costs), block_paths, int(plain_peak)) from None
+    extra_time, _, solution, option, head = min(found, key=lambda entry: entry[:2])  # ties: the plain head
+    menus = [solver.block_menu(block) for block in option.blocks]
+    applied = solver.schedule_margin_bytes(option, solution.schedule, margin_bytes)
+    notes = {} if no_regions is None or len(costs.blocks) < 2 else {"regions": no_regions}
+    head_note = loss_head_note(costs, chosen=bool(head))
+    if head_note:
+        notes["loss head"] = head_note
     return Plan(budget_bytes=budget_bytes, predicted_peak_bytes=int(solution.predicted_peak_bytes),
-                predicted_extra_time_s=float(solution.extra_time_s),
-                schedule=plan_pieces(solution.schedule, menus, costs), block_paths=tuple(block_paths),
+                predicted_extra_time_s=float(extra_time),
+                schedule=plan_pieces(solution.schedule, menus, option), block_paths=tuple(block_paths),
                 fingerprint=model_fingerprint,
                 reference={"no_checkpointing_peak_bytes": float(plain_peak), "step_time_s": costs.step_time_s,
                            "margin_bytes": float(applied)},
-                notes={} if no_regions is None or len(costs.blocks) < 2 else {"regions": no_regions})
+                notes=notes, loss_head=head)
+
+
+def head_options(costs: CostModel) -> list[tuple[CostModel, dict[str, Any]]]:
+    """The cost models a plan may be solved on, each with the ``Plan.loss_head`` it implies: the plain head,
+    then, when the profiler proved one (planner/head.py), the head in chunks (its ``head_bytes``; every block
+    checkpointed with it was not measured, so it keeps a margin like any other plan).
+
+    Example:
+        >>> from torchckpt.planner.costs import BlockCosts
+        >>> block = BlockCosts(name="b", input_bytes=10, output_bytes=10, saved_bytes=30, forward_time_s=0.1)
+        >>> head = {"path": "lm_head", "chunk_tokens": 8, "head_bytes": 5, "extra_time_s": 0.01}
+        >>> costs = ChainCosts(fixed_bytes=100, head_bytes=50, blocks=(block,), loss_head=head)
+        >>> [(option.head_bytes, chosen) for option, chosen in head_options(costs)]
+        [(50, {}), (5, {'path': 'lm_head', 'chunk_tokens': 8})]
+    """
+    options: list[tuple[CostModel, dict[str, Any]]] = [(costs, {})]
+    entry = costs.loss_head
+    if "head_bytes" in entry:
+        chunked = replace(costs, head_bytes=entry["head_bytes"], every_block_peak_bytes=0)
+        options.append((chunked, {"path": entry["path"], "chunk_tokens": entry["chunk_tokens"]}))
+    return options
+
+
+def floor_over_options(costs: CostModel, *, allow_regions: bool, margin_bytes: int) -> int:
+    """The least floor over ``head_options``: the smallest budget some plan fits.
+
+    Example:
+        >>> from torchckpt.planner.costs import BlockCosts
+        >>> block = BlockCosts(name="b", input_bytes=10, output_bytes=10, saved_bytes=30, forward_time_s=0.1)
+        >>> floor_over_options(ChainCosts(fixed_bytes=100, head_bytes=0, blocks=(block,)), allow_regions=True,
+        ...                    margin_bytes=0)
+        110
+    """
+    return min(solver.floor_bytes(option, allow_regions=allow_regions, margin_bytes=margin_bytes)
+               for option, _ in head_options(costs))
+
+
+def loss_head_note(costs: CostModel, *, chosen: bool) -> str:
+    """What a plan's table says about the loss head: used, available but not needed, or why not available.
+
+    Example:
+        >>> from torchckpt.planner.costs import BlockCosts
+        >>> block = BlockCosts(name="b", input_bytes=10, output_bytes=10, saved_bytes=30, forward_time_s=0.1)
+        >>> loss_head_note(ChainCosts(fixed_bytes=100, head_bytes=0, blocks=(block,)), chosen=False)
+        ''
+    """
+    entry = costs.loss_head
+    if not entry:
+        return ""
+    if "head_bytes" not in entry:
+        return entry.get("note", "")
+    saving = format_bytes(max(0, costs.head_bytes - entry["head_bytes"]))
+    if chosen:
+        return (f"{entry['path']} in chunks of {entry['chunk_tokens']} tokens: its logits never exist whole "
+                f"({saving} less at the head; gradients of its weight equal to rounding, all others bitwise)")
+    return f"available ({entry['path']} in chunks would need {saving} less at the head); not needed at this budget"
+
+
+def with_head_note(error: solver.InfeasibleBudgetError, costs: CostModel) -> solver.InfeasibleBudgetError:
+    """``error`` with what the loss head contributes to the floor and whether chunking it is possible."""
+    entry = costs.loss_head
+    if "head_bytes" in entry:
+        head = f" The loss head ({entry['path']}) is computed in chunks at this floor."
+    elif entry.get("note"):
+        head = f" The loss head ({format_bytes(costs.head_bytes)} at the end of the forward pass) stays whole: {entry['note']}."
+    else:
+        head = ""
+    if not head:
+        return error
+    breakdown = {**error.breakdown, "loss_head": head.strip()}
+    return solver.InfeasibleBudgetError(error.budget_bytes, error.floor_bytes, breakdown, f"{error}{head}")
 
 
 def check_margin_form(margin: object) -> None:

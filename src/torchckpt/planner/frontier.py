@@ -21,6 +21,7 @@ from torchckpt.executor.compiled import uncompiled
 from torchckpt.planner import solve as solver
 from torchckpt.planner.from_costs import (
     ChainCosts,
+    floor_over_options,
     no_checkpointing_schedule,
     plan_from_costs,
     regions_note,
@@ -140,7 +141,7 @@ def frontier_from_costs(costs: ChainCosts, *, points: int = 12, block_paths: Seq
                                                     for label, schedule in reference_schedules(costs).items()))
     top = max(r.peak_bytes for r in references if r.label == "no checkpointing")
     margin_bytes = resolve_margin(margin, costs, top)
-    floor = solver.floor_bytes(costs, allow_regions=regions_note(costs, regions) is None, margin_bytes=margin_bytes)
+    floor = floor_over_options(costs, allow_regions=regions_note(costs, regions) is None, margin_bytes=margin_bytes)
     paths = list(block_paths) or list(costs.block_paths) or [block.name for block in costs.blocks]
     found: dict[tuple[int, float], FrontierPoint] = {}
     for k in range(points):

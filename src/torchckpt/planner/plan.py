@@ -33,7 +33,10 @@ from torchckpt.planner.blocks import describe_paths, structure_key
 __all__ = ["Plan", "PlanMismatchError", "PlanPiece", "PlannedBlock", "PlannedRegion", "fingerprint",
            "iter_blocks"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# A plan without a chunked loss head is written as version 1, which torchckpt releases before the loss head read
+# the same way; one with it as version 2, which they refuse by version instead of applying it without the head.
+_WITHOUT_LOSS_HEAD_VERSION = 1
 
 
 class PlanMismatchError(ValueError):
@@ -182,6 +185,8 @@ class Plan:
         reference: named reference figures (e.g. ``no_checkpointing_peak_bytes``, ``step_time_s``).
         notes: named remarks on how the plan was made, shown by :meth:`table` (e.g. ``regions``: why the
             plan has no regions).
+        loss_head: empty, or ``{"path", "chunk_tokens"}``: the LM head at that module path computes its
+            logits and cross-entropy in chunks of that many tokens (``executor/loss_head.py``).
     """
 
     budget_bytes: int
@@ -192,8 +197,17 @@ class Plan:
     fingerprint: dict[str, Any]
     reference: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    loss_head: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        head = self.loss_head
+        if not isinstance(head, dict) or (head and (set(head) != {"path", "chunk_tokens"}
+                                                    or not isinstance(head["path"], str)
+                                                    or isinstance(head["chunk_tokens"], bool)
+                                                    or not isinstance(head["chunk_tokens"], int)
+                                                    or head["chunk_tokens"] < 1)):
+            raise ValueError("Plan.loss_head must be {} or {'path': str, 'chunk_tokens': int >= 1}; "
+                             f"got {head!r}")
         schedule = tuple(self.schedule)
         wrong = [piece for piece in schedule if not isinstance(piece, (PlannedBlock, PlannedRegion))]
         if wrong:
@@ -256,6 +270,15 @@ class Plan:
     def check_fits(self, model: nn.Module, example_inputs: tuple | dict | None = None) -> None:
         """Raise :class:`PlanMismatchError` naming what differs if this plan was made for something else."""
         found = fingerprint(model, example_inputs if example_inputs is not None else (), list(self.block_paths))
+        if self.loss_head:
+            try:
+                head = model.get_submodule(self.loss_head["path"])
+            except AttributeError:
+                head = None
+            if not isinstance(head, nn.Linear):
+                raise PlanMismatchError(f"this plan computes the loss head {self.loss_head['path']!r} in chunks, but the "
+                                        "model has no nn.Linear at that path; make a new plan with "
+                                        "torchckpt.plan(model, inputs, budget=...)")
         for key in ("model", "structure", "blocks") + (("inputs",) if example_inputs is not None else ()):
             if found[key] != self.fingerprint.get(key):
                 raise PlanMismatchError(
@@ -265,12 +288,14 @@ class Plan:
 
     def to_json(self) -> str:
         """JSON text (round-trips exactly through :meth:`from_json`)."""
-        payload = {"format": "torchckpt.plan", "version": FORMAT_VERSION, "budget_bytes": self.budget_bytes,
+        version = FORMAT_VERSION if self.loss_head else _WITHOUT_LOSS_HEAD_VERSION
+        payload = {"format": "torchckpt.plan", "version": version, "budget_bytes": self.budget_bytes,
                    "predicted_peak_bytes": self.predicted_peak_bytes,
                    "predicted_extra_time_s": self.predicted_extra_time_s,
                    "schedule": [_piece_to_json(piece) for piece in self.schedule],
                    "block_paths": list(self.block_paths), "fingerprint": self.fingerprint,
-                   "reference": self.reference, "notes": self.notes}
+                   "reference": self.reference, "notes": self.notes,
+                   **({"loss_head": self.loss_head} if self.loss_head else {})}
         return json.dumps(payload, indent=1)
 
     @classmethod
@@ -282,15 +307,17 @@ class Plan:
             raise ValueError(f"not a torchckpt plan: invalid JSON ({error})") from None
         if not isinstance(payload, dict) or payload.get("format") != "torchckpt.plan":
             raise ValueError("not a torchckpt plan: the JSON has no \"format\": \"torchckpt.plan\" field")
-        if payload.get("version") != FORMAT_VERSION:
+        if payload.get("version") not in (_WITHOUT_LOSS_HEAD_VERSION, FORMAT_VERSION):
             raise ValueError(f"plan format version {payload.get('version')!r} is not supported by this torchckpt "
-                             f"(reads version {FORMAT_VERSION}); re-create the plan")
+                             f"(reads versions {_WITHOUT_LOSS_HEAD_VERSION} and {FORMAT_VERSION}); upgrade torchckpt "
+                             "or re-create the plan")
         try:
             return cls(budget_bytes=payload["budget_bytes"], predicted_peak_bytes=payload["predicted_peak_bytes"],
                        predicted_extra_time_s=payload["predicted_extra_time_s"],
                        schedule=tuple(_piece_from_json(entry) for entry in payload["schedule"]),
                        block_paths=tuple(payload["block_paths"]), fingerprint=payload["fingerprint"],
-                       reference=payload.get("reference", {}), notes=payload.get("notes", {}))
+                       reference=payload.get("reference", {}), notes=payload.get("notes", {}),
+                       loss_head=payload.get("loss_head", {}))
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"not a complete torchckpt plan: missing or malformed field {error}; re-create the "
                              "plan with torchckpt.plan(...)") from None

@@ -211,6 +211,8 @@ class Probe:
         self.blocks, self.meter, self.recorder = list(blocks), meter, recorder
         self.traces = [_BlockTrace() for _ in self.blocks]
         self.head_peak = 0
+        self.tail_peak = 0  # after block 0's backward pass ends (costs.py's [backward-end peak])
+        self._tail_open = False
         self._handles: list[Any] = []
         self._backward_open: int | None = None
         # [a region must be exact]: the previous block's hidden state (weak), arguments besides it, and
@@ -321,6 +323,9 @@ class Probe:
         def hook(grad: torch.Tensor) -> None:
             if self._backward_open == i:
                 self._close_backward()
+                if i == 0:
+                    self.meter.reset_peak()
+                    self._tail_open = True
         return hook
 
     def _close_backward(self) -> None:
@@ -330,6 +335,9 @@ class Probe:
 
     def finish(self) -> None:
         self._close_backward()
+        if self._tail_open:
+            self.tail_peak = self.meter.peak_bytes
+            self._tail_open = False
 
 
 class BlockOrderError(ValueError):

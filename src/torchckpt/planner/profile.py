@@ -21,7 +21,8 @@ How each figure of ``costs.py`` is obtained (the names of that module's rules in
    holds]; ``freed_side_input_bytes`` is, of the block's other tensor inputs (positional and keyword,
    each storage once, the first input's storage excluded), the bytes of those whose storage is dead at
    that moment [what a piece holds]; ``head_bytes`` is the peak between the last block's forward and the
-   first block backward, above fixed and everything the blocks hold [forward-end peak].
+   first block backward, above fixed and everything the blocks hold [forward-end peak]; ``tail_bytes`` is the
+   peak after block 0's backward pass, above fixed, the larger of the two steps' [backward-end peak].
 3. **[the plain plan is predicted exactly]** ``backward_peak_bytes`` and ``forward_peak_bytes`` are the
    measured peaks minus what [backward peak] and [forward peak] already count, so the all-plain plan is
    predicted exactly; they absorb what the model does not name (parameter gradients created so far, the
@@ -85,6 +86,7 @@ from torchckpt.planner.distributed import (
     sharded_blocks_note,
 )
 from torchckpt.planner.from_costs import ChainCosts
+from torchckpt.planner.head import check_loss_head_arg, find_loss_head, measure_loss_head
 from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
 from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step
 from torchckpt.planner.runner import StepFn, StepRunner
@@ -112,6 +114,7 @@ def profile(
     progress: Callable[[str], None] | None = None,
     regions: bool = True,
     step_fn: StepFn | None = None,
+    loss_head: bool | str = True,
 ) -> ChainCosts:
     """Measure ``model`` on ``example_inputs`` and return its cost model.
 
@@ -133,7 +136,8 @@ def profile(
     measure what that loop holds (the logits, say). A model under ``DistributedDataParallel`` or FSDP2 is
     profiled by every rank of its group at once (a collective), each measuring its own step; the costs
     returned on every rank are the largest any rank measured (``planner.distributed``), so every rank makes
-    the same plan for a per-rank budget.
+    the same plan for a per-rank budget. ``loss_head`` (True: found; a module path; False: off) adds one measured
+    step with the LM head computed in chunks of tokens, a plan option (``costs.loss_head``, planner/head.py).
 
     Example:
         >>> from torchckpt.models import gpt
@@ -143,6 +147,7 @@ def profile(
         (2, 8192)
     """
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
+    check_loss_head_arg(model, loss_head)
     group = process_group_of(model)  # planner/distributed.py's [a distributed model is planned by all its ranks]
     block_list = resolve_blocks(model, blocks)
     regions_off = sharded_blocks_note(block_list) if regions else "off (profiled with regions=False)"
@@ -153,7 +158,7 @@ def profile(
         if group is not None:
             _engine_warm_up(runner, block_list)
         try:
-            costs = _measure_costs(runner, block_list, progress, regions_off, group)
+            costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head)
         except BlockOrderError as error:  # on every rank alike (planner.distributed.same_outcome)
             if not (isinstance(blocks, str) and blocks == "auto"):
                 raise
@@ -162,7 +167,7 @@ def profile(
             # the order they ran in, which the failed step measured, and profile again.
             block_list = [block_list[k] for k in error.ran]
             runner.clear_grads()
-            costs = _measure_costs(runner, block_list, progress, regions_off, group)
+            costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head)
     if group is None:
         return costs
     costs = replace(costs, notes={**costs.notes, "engine": str(engine_of(model))})
@@ -188,7 +193,7 @@ def _engine_warm_up(runner: StepRunner, block_list: list[nn.Module]) -> None:
 
 
 def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Callable[[str], None] | None,
-                   regions_off: str | None = None, group: Any = None) -> ChainCosts:
+                   regions_off: str | None = None, group: Any = None, loss_head: bool | str = True) -> ChainCosts:
     """The profile's steps; ``regions_off``, when given, says why plans from these costs have no regions.
     With a process ``group``, every decision that changes which steps run is taken by all ranks alike."""
     say = progress or (lambda message: None)
@@ -222,7 +227,27 @@ def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Ca
     elif costs.chain and len(block_list) > 1:
         say("profiling step 5: a region of two blocks")
         costs = replace(costs, region_recompute_bytes=_region_residue(runner, block_list, costs))
-    return costs
+    return replace(costs, loss_head=_loss_head(runner, block_list, costs, recomputed, say, group, loss_head))
+
+
+def _loss_head(runner: StepRunner, block_list: list[nn.Module], costs: ChainCosts, recomputed: Probe,
+               say: Callable[[str], None], group: Any, loss_head: bool | str) -> dict[str, Any]:
+    """``costs.loss_head``: the LM head found and measured in chunks (planner/head.py), or why not."""
+    if loss_head is False:
+        return {"note": "off (profiled with loss_head=False)"}
+    if group is not None:
+        return {"note": "no: not planned under DDP or FSDP2 yet (the head's weight may be sharded)"}
+    if isinstance(loss_head, str):  # checked by check_loss_head_arg before profiling
+        path: str | None = loss_head
+    else:
+        path, note = find_loss_head(runner.model, block_list)
+        if path is None:
+            return {"note": note}
+    assert path is not None
+    say(f"profiling step 6: the loss head ({path}) in chunks of tokens")
+    held = sum(block.input_bytes + block.freed_side_input_bytes for block in costs.blocks)
+    return measure_loss_head(runner, block_list, path, held_checkpointed=held, plain_head=costs.head_bytes,
+                             every_block=recomputed)
 
 
 def _timed_step(runner: StepRunner) -> float:
@@ -323,7 +348,9 @@ def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_times_s:
                                  forward_peak_bytes=forward, backward_peak_bytes=backward,
                                  recompute_peak_bytes=recompute, ops=ops, input_held_when_plain=input_held[i],
                                  freed_side_input_bytes=freed[i]))
-    costs = ChainCosts(fixed_bytes=fixed, head_bytes=head, blocks=tuple(blocks), step_time_s=plain_step_s,
+    # costs.py's [backward-end peak]: the same in both steps but for noise; the larger
+    tail = max(0, plain.tail_peak - fixed, recomputed.tail_peak - ckpt_fixed)
+    costs = ChainCosts(fixed_bytes=fixed, head_bytes=head, blocks=tuple(blocks), step_time_s=plain_step_s, tail_bytes=tail,
                        chain=chain, margin_bytes=margin, every_block_step_time_s=every_block_step_s,
                        notes={"chain": chain_note, "recompute_time_scale": time_note,
                               "headroom_bytes": "0"})  # fixed_bytes holds none now (margin_bytes); for old readers
@@ -340,7 +367,8 @@ def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_times_s:
 def _peak_at_marks(probe: Probe) -> int:
     """The step's peak as the probe's marks read it: every block's forward and backward, and the head."""
     traces = probe.traces
-    return max([probe.head_peak] + [t.forward_peak for t in traces] + [t.backward_peak or 0 for t in traces])
+    return max([probe.head_peak, probe.tail_peak] + [t.forward_peak for t in traces]
+               + [t.backward_peak or 0 for t in traces])
 
 
 def _time_scale(times: list[float], plain_step_s: float, every_block_step_s: float) -> tuple[float, str]:

@@ -111,6 +111,7 @@ def evaluate_chain(chain: Chain, schedule: Sequence[Piece]) -> tuple[int, float,
     extra_s, held = _walk(chain, schedule, 0, chain.n, chain.top_context_bytes, 0, None, peak)
     costs = chain.costs
     peak.see(costs.fixed_bytes + held + costs.head_bytes, "the end of the forward pass (the head)")
+    peak.see(costs.fixed_bytes + costs.tail_bytes, "the end of the backward pass (after the first block)")
     if costs.every_block_peak_bytes and tuple(schedule) == chain.every_block_schedule():
         # costs.py's [measured schedules are predicted as measured]
         return costs.every_block_peak_bytes, extra_s, "every block checkpointed (its peak measured when profiling)"
