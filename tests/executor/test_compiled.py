@@ -108,7 +108,7 @@ def test_a_plan_runs_compiled_within_budget_with_the_compiled_gradients(how: str
                 m.blocks[i] = torch.compile(block, backend="aot_eager")
         return m
 
-    plan = torchckpt.plan(model, batch, budget="60%")
+    plan = torchckpt.plan(model, batch, budget="60%", loss_head=False)  # compiled: the head stays whole
     kinds = {p.block: bool(p.keep) for p in plan.schedule if isinstance(p, PlannedBlock)}
     assert any(kinds.values()), plan.table()  # the plan keeps ops somewhere, so the selective path is exercised
     reference = compile_(model)
@@ -129,7 +129,7 @@ def test_a_compiled_model_is_planned_applied_and_recompiled(tmp_path: Path) -> N
     model, batch = _gpt()
     compiled = torch.compile(model, backend="aot_eager")
     plain_peak, plain_grads = _measured(model, lambda: compiled(*batch))
-    plan = torchckpt.plan(compiled, batch, budget="60%")
+    plan = torchckpt.plan(compiled, batch, budget="60%", loss_head=False)  # compiled: the head stays whole
     assert plan.block_paths[0] == "blocks.0" and is_compiled_module(compiled) and uncompiled(compiled) is model
     handle = torchckpt.apply(compiled, plan)
     # the wraps are on the original's blocks, inside the compiled code (which blocks: the plan's choice, and
@@ -160,7 +160,7 @@ def test_hf_llama_compiled_whole_has_no_graph_break() -> None:
     before = torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
     plain_peak, plain_grads = _measured(model, lambda: torch.compile(model, backend="aot_eager")(**batch).loss)
     torch._dynamo.reset()
-    plan = torchckpt.plan(model, batch, budget="60%")
+    plan = torchckpt.plan(model, batch, budget="60%", loss_head=False)  # compiled: the head stays whole
     with torchckpt.apply(model, plan):
         compiled = torch.compile(model, backend="aot_eager")
         peak, grads = _measured(model, lambda: compiled(**batch).loss)
@@ -182,7 +182,7 @@ def test_batchnorm_statistics_are_updated_once_under_compile() -> None:
     plain_buffers = {k: v.clone() for k, v in model.named_buffers()}
     model.load_state_dict(start)
     torch._dynamo.reset()
-    plan = torchckpt.plan(model, batch, budget="95%")
+    plan = torchckpt.plan(model, batch, budget="95%", loss_head=False)  # compiled: the head stays whole
     assert any(p.recomputes for p in plan.schedule if isinstance(p, PlannedBlock))
     with torchckpt.apply(model, plan):
         peak, grads = _measured(model, lambda: torch.compile(model, backend="aot_eager")(**batch).loss)
@@ -222,7 +222,7 @@ def test_a_plan_under_inductor_matches_inductor_without_it() -> None:
     compiled(*batch).backward()
     plain_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    plan = torchckpt.plan(model, batch, budget="80%")
+    plan = torchckpt.plan(model, batch, budget="80%", loss_head=False)  # compiled: the head stays whole
     with torchckpt.apply(model, plan):
         compiled(*batch).backward()
     assert _graph_breaks() == {}
@@ -256,7 +256,7 @@ def test_a_policy_by_eager_position_is_refused_under_compile_naming_the_fix() ->
 
 def test_plans_name_kept_ops_by_occurrence_and_round_trip_through_json(tmp_path: object) -> None:
     model, batch = _gpt()
-    plan = torchckpt.plan(model, batch, budget="60%")
+    plan = torchckpt.plan(model, batch, budget="60%", loss_head=False)  # compiled: the head stays whole
     kept = [p for p in plan.schedule if isinstance(p, PlannedBlock) and p.keep]
     assert kept and all(len(p.keep_ops) == len(p.keep) for p in kept)
     named = [op for p in kept for op in p.keep_ops if op != "-"]
@@ -295,7 +295,7 @@ def test_a_plan_with_dropout_recomputes_the_ops_it_cannot_name_and_stays_exact()
     torch.manual_seed(0)
     model = gpt("tiny", dropout=0.1)
     batch = model.example_batch(batch_size=4, seq_len=64)
-    plan = torchckpt.plan(model, batch, budget="80%")
+    plan = torchckpt.plan(model, batch, budget="80%", loss_head=False)  # compiled: the head stays whole
     kept = [op for p in plan.schedule if isinstance(p, PlannedBlock) for op in p.keep_ops]
     assert "-" in kept, plan.schedule
     torch.manual_seed(3)
@@ -390,3 +390,23 @@ def test_a_handle_dropped_without_remove_sets_the_side_effect_flag_back() -> Non
     del handle
     gc.collect()
     assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint == before
+
+
+def test_a_chunked_loss_head_under_compile_runs_whole_without_a_graph_break() -> None:
+    """Dynamo does not trace deferred logits: compiled, the head computes its logits whole, recorded on its
+    handle, without breaking the graph (plans for compiled training are made with loss_head=False)."""
+    from torchckpt.executor.loss_head import ChunkedHeadHandle
+    from torchckpt.executor import CheckpointHandle, wrap_forward
+
+    model, batch = _gpt()
+    handle = ChunkedHeadHandle(head=model.head, chunk_tokens=16, warn=True)
+    wrapped: list[nn.Module] = []
+    wrap_forward(model.head, handle.forward, wrapped)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="aot_eager")
+        compiled(*batch).backward()
+    finally:
+        CheckpointHandle(wrapped).remove()
+    assert _graph_breaks() == {}
+    assert handle.materialized == ["torch.compile"] and handle.chunked_losses == 0

@@ -30,11 +30,14 @@ rounding, not bitwise (relative error ~1e-6 in float32, tested), and so does wha
 **[what the chunked head holds]** After the forward pass: the head's input (which the plain head saves
 too) and one float per token; while a chunk is computed, about four ``chunk x V`` tensors. The chunk is
 ``chunk_tokens`` tokens (default: the tokens whose logits take the bytes of the head's input, as
-Liger-Kernel sizes its chunks, but at most ``CHUNKS_AT_MOST`` chunks).
+Liger-Kernel sizes its chunks, but at most ``CHUNKS_AT_MOST`` chunks and at least ``MIN_CHUNK_TOKENS`` tokens
+each); the tokens are split into chunks of equal size but for one token.
 
 Supported: ``F.cross_entropy`` with class-index targets, ``reduction`` ``"mean"`` or ``"sum"``,
 ``ignore_index``, no class weights, no label smoothing; anything else makes the logits real (recorded).
-Under ``torch.compile`` the head returns real logits (recorded as ``"torch.compile"``).
+Under ``torch.compile`` the head returns real logits, recorded as ``"torch.compile"`` but without a warning (a
+warning would break the graph): Dynamo does not trace deferred logits, so make plans for compiled training with
+``loss_head=False`` (docs/planner.md says so).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tens
 
 
 CHUNKS_AT_MOST = 16
+MIN_CHUNK_TOKENS = 16
 
 
 def default_chunk_tokens(tokens: int, width: int, vocab: int) -> int:
@@ -77,12 +81,12 @@ def default_chunk_tokens(tokens: int, width: int, vocab: int) -> int:
         >>> default_chunk_tokens(4096, 768, 50257)
         256
         >>> default_chunk_tokens(8, 64, 256)
-        2
+        8
     """
     for name, value in (("tokens", tokens), ("width", width), ("vocab", vocab)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"default_chunk_tokens: {name} must be an int >= 1; got {value!r}")
-    return max(1, min(tokens, max((tokens * width) // vocab, -(-tokens // CHUNKS_AT_MOST))))
+    return min(tokens, max((tokens * width) // vocab, -(-tokens // CHUNKS_AT_MOST), MIN_CHUNK_TOKENS))
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -90,9 +94,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     (module docstring's [the chunked loss is exact]).
 
     Example:
-        >>> hidden = torch.randn(6, 4, requires_grad=True); head = nn.Linear(4, 10)
-        >>> target = torch.tensor([1, 2, 3, -100, 5, 6])
-        >>> loss = ChunkedCrossEntropy.apply(hidden, head.weight, head.bias, target, None, -100, "mean", 2)
+        >>> hidden = torch.randn(64, 16, requires_grad=True); head = nn.Linear(16, 100)
+        >>> target = torch.randint(0, 100, (64,)); target[::5] = -100
+        >>> loss = ChunkedCrossEntropy.apply(hidden, head.weight, head.bias, target, None, -100, "mean", 16)
         >>> bool(loss == F.cross_entropy(head(hidden), target))
         True
     """
@@ -105,8 +109,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         gathered = torch.empty(rows, 1, dtype=dtype or torch.result_type(hidden, weight), device=hidden.device)
         log_probs_of_target = gathered.view(-1)
         safe_target = target.masked_fill(target == ignore_index, 0)
-        for start in range(0, rows, chunk_tokens):
-            stop = min(rows, start + chunk_tokens)
+        for start, stop in _chunks(rows, chunk_tokens):
             log_probs = _log_probs(hidden[start:stop], weight, bias, dtype)
             log_probs_of_target[start:stop] = log_probs.gather(1, safe_target[start:stop, None]).view(-1)
             del log_probs
@@ -127,8 +130,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight) if need_weight else None
         grad_bias = torch.zeros_like(bias) if need_bias and bias is not None else None
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            stop = min(hidden.shape[0], start + chunk_tokens)
+        for start, stop in _chunks(hidden.shape[0], chunk_tokens):
             rows = hidden[start:stop]
             log_probs = _log_probs(rows, weight, bias, dtype)
             grad = torch.ops.aten.nll_loss_backward(grad_loss, log_probs, target[start:stop], None,
@@ -144,6 +146,19 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 grad_bias.add_(grad.sum(0))
             del grad
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _chunks(rows: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """``rows`` split into ``ceil(rows / chunk_tokens)`` chunks of sizes differing by at most one: no last chunk of
+    a row or two, whose matrix product a BLAS may compute another way (a matrix-vector kernel for one row)."""
+    count = -(-rows // chunk_tokens)
+    size, larger = divmod(rows, count)
+    bounds, start = [], 0
+    for index in range(count):
+        stop = start + size + (1 if index < larger else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
 
 
 def _log_probs(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -174,12 +189,8 @@ class ChunkedHeadHandle:
 
     def _made_real(self, reason: str) -> None:
         self.materialized.append(reason)
-        if self.warn and len(self.materialized) == 1:
-            message = (f"torchckpt: the plan computes the loss head's logits in chunks, but this step made them whole "
-                       f"({reason}), so it peaks above the plan's prediction; make the plan with your loop "
-                       "(torchckpt.plan(..., step_fn=...)) so the profiler sees it and leaves the head whole")
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-            _log.warning(message)
+        if self.warn and len(self.materialized) == 1 and not torch.compiler.is_compiling():
+            _warn_made_real(reason)
 
     def remove(self) -> None:
         """Give the head its own forward back (idempotent)."""
@@ -197,14 +208,23 @@ class ChunkedHeadHandle:
         return DeferredLogits.of(self, hidden)
 
 
+def _warn_made_real(reason: str) -> None:
+    message = (f"torchckpt: the plan computes the loss head's logits in chunks, but this step made them whole "
+               f"({reason}), so it peaks above the plan's prediction; make the plan with your loop "
+               "(torchckpt.plan(..., step_fn=...)) so the profiler sees it and leaves the head whole")
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    _log.warning(message)
+
+
+
 def chunk_loss_head(head: nn.Module, chunk_tokens: int | None = None) -> ChunkedHeadHandle:
     """Make ``head`` (an ``nn.Linear``: the LM head) return deferred logits whose cross-entropy is computed in
     chunks of ``chunk_tokens`` tokens (default: ``default_chunk_tokens``); ``handle.remove()`` undoes it.
 
     Example:
         >>> head = nn.Linear(8, 100, bias=False)
-        >>> handle = chunk_loss_head(head, chunk_tokens=3)
-        >>> hidden, target = torch.randn(2, 5, 8), torch.randint(0, 100, (2, 5))
+        >>> handle = chunk_loss_head(head, chunk_tokens=16)
+        >>> hidden, target = torch.randn(2, 20, 8), torch.randint(0, 100, (2, 20))
         >>> logits = head(hidden)
         >>> loss = F.cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1))
         >>> handle.remove()

@@ -82,7 +82,9 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
 9. **[a margin only where a plan was not measured]** A plan is accepted for a budget when its predicted
    peak plus its margin is within the budget: 0 for the two measured schedules, ``margin_bytes`` (the
    profiler's suggestion: 64 KiB plus 0.5% of the plain step's activation bytes, ``profile.HEADROOM_*``;
-   or what the caller asks for, ``from_costs.resolve_margin``) for every other schedule.
+   or what the caller asks for, ``from_costs.resolve_margin``) for every other schedule. A cost model with
+   ``measured=False`` (a plan option the profiler measured only in part, such as the chunked loss head:
+   ``from_costs.head_options``) gives every schedule the margin.
 """
 
 from __future__ import annotations
@@ -209,6 +211,7 @@ class CostModel:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     loss_head: dict[str, Any] = field(default_factory=dict)
     tail_bytes: int = 0
+    measured: bool = True
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
@@ -229,6 +232,8 @@ class CostModel:
         blocks = tuple(b if isinstance(b, BlockCosts) else BlockCosts(**b) for b in self.blocks)
         if not blocks:
             raise ValueError(f"{kind}.blocks is empty: a cost model needs at least one block")
+        if not isinstance(self.measured, bool):
+            raise ValueError(f"{kind}.measured must be a bool; got {self.measured!r}")
         if not isinstance(self.chain, bool):
             raise ValueError(f"{kind}.chain must be a bool; got {self.chain!r}")
         for before, after in zip(blocks, blocks[1:] if self.chain else ()):

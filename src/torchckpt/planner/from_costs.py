@@ -231,8 +231,8 @@ def plan_from_costs(costs: CostModel, budget: int | str, *, block_paths: Sequenc
 
 def head_options(costs: CostModel) -> list[tuple[CostModel, dict[str, Any]]]:
     """The cost models a plan may be solved on, each with the ``Plan.loss_head`` it implies: the plain head,
-    then, when the profiler proved one (planner/head.py), the head in chunks (its ``head_bytes``; every block
-    checkpointed with it was not measured, so it keeps a margin like any other plan).
+    then, when the profiler proved one (planner/head.py), the head in chunks (its ``head_bytes``; no schedule
+    with it was measured, so every one keeps the margin, no checkpointing included).
 
     Example:
         >>> from torchckpt.planner.costs import BlockCosts
@@ -245,7 +245,7 @@ def head_options(costs: CostModel) -> list[tuple[CostModel, dict[str, Any]]]:
     options: list[tuple[CostModel, dict[str, Any]]] = [(costs, {})]
     entry = costs.loss_head
     if "head_bytes" in entry:
-        chunked = replace(costs, head_bytes=entry["head_bytes"], every_block_peak_bytes=0)
+        chunked = replace(costs, head_bytes=entry["head_bytes"], every_block_peak_bytes=0, measured=False)
         options.append((chunked, {"path": entry["path"], "chunk_tokens": entry["chunk_tokens"]}))
     return options
 
@@ -258,7 +258,7 @@ def floor_over_options(costs: CostModel, *, allow_regions: bool, margin_bytes: i
         >>> block = BlockCosts(name="b", input_bytes=10, output_bytes=10, saved_bytes=30, forward_time_s=0.1)
         >>> floor_over_options(ChainCosts(fixed_bytes=100, head_bytes=0, blocks=(block,)), allow_regions=True,
         ...                    margin_bytes=0)
-        110
+        150
     """
     return min(solver.floor_bytes(option, allow_regions=allow_regions, margin_bytes=margin_bytes)
                for option, _ in head_options(costs))

@@ -41,8 +41,8 @@ def check_loss_head_arg(model: nn.Module, loss_head: object) -> None:
         >>> try:
         ...     check_loss_head_arg(nn.Sequential(nn.Linear(2, 8)), "head")
         ... except ValueError as error:
-        ...     print(str(error)[:58])
-        loss_head='head': the model has no module at that path (p
+        ...     print(str(error)[:55])
+        loss_head='head': the model has no module at that path
     """
     if isinstance(loss_head, bool):
         return

@@ -55,6 +55,8 @@ class Chain:
     def margin_of(self, schedule: tuple, margin_bytes: int) -> int:
         """costs.py's [a margin only where a plan was not measured]: 0 for the all-plain schedule and, when
         its peak was measured, for every block checkpointed; ``margin_bytes`` for any other."""
+        if not self.costs.measured:
+            return margin_bytes
         if tuple(schedule) == self.plain_schedule():
             return 0
         if self.costs.every_block_peak_bytes and tuple(schedule) == self.every_block_schedule():

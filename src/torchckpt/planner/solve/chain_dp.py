@@ -315,7 +315,7 @@ def solve(costs: CostModel, budget_bytes: int, *, allow_regions: bool = True,
     allow_regions = bool(allow_regions) and costs.chain
     plain = chain.plain_schedule()
     peak, extra_s, _ = evaluate_chain(chain, plain)
-    if peak <= budget_bytes:
+    if peak + chain.margin_of(plain, margin_bytes) <= budget_bytes:
         return Solution(schedule=plain, predicted_peak_bytes=peak, extra_time_s=extra_s, budget_bytes=budget_bytes)
     found: list[tuple[tuple[Piece, ...], int, float]] = []
     if costs.every_block_peak_bytes:  # measured: no margin ([a margin only where a plan was not measured])

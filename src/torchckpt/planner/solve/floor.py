@@ -134,7 +134,7 @@ def floor_schedule(chain: Chain, *, allow_regions: bool = True, margin_bytes: in
     best = (evaluate_chain(chain, schedule)[0] + chain.margin_of(schedule, margin_bytes), schedule)
     measured = [chain.plain_schedule()] + ([chain.every_block_schedule()] if chain.costs.every_block_peak_bytes else [])
     for candidate in measured:
-        peak = evaluate_chain(chain, candidate)[0]
+        peak = evaluate_chain(chain, candidate)[0] + chain.margin_of(candidate, margin_bytes)
         if peak < best[0]:
             best = (peak, candidate)
     return best
