@@ -57,3 +57,17 @@ def test_train_md_commands_run_as_written(tmp_path: Path) -> None:
     assert "reused the plan saved in runs/tiny/plan.json" in outputs[1]
     assert "resumed from runs/tiny/checkpoints/step-000000004" in outputs[1] and "step 6/6" in outputs[1]
     assert "step-000000006" not in outputs[0] and all(f"{s}" in outputs[2] for s in (2, 4, 6))
+
+
+def test_planner_md_loss_head_example_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/planner.md's "The loss head in chunks" example: half of every block's peak, the head chunked."""
+    pytest.importorskip("transformers")
+    section = (DOCS / "planner.md").read_text().split("## The loss head in chunks", 1)[1]
+    block = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(block, str(DOCS / "planner.md"), "exec"), namespace)  # noqa: S102 - our own docs
+    plan = namespace["plan"]
+    assert plan.loss_head == {"path": "lm_head", "chunk_tokens": 64}
+    report = namespace["torchckpt"].verify_plan(namespace["model"], plan, namespace["batch"])
+    assert report.within_budget and report.gradients_equal and report.rounding_only == ("lm_head.weight",)

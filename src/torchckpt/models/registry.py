@@ -182,26 +182,26 @@ def _token_batch(vocab: int, shape: BatchShape, seq_len: int | None = None) -> t
                          generator=torch.Generator().manual_seed(0))
 
 
-def _llama(width: int, layers: int) -> Callable[[BatchShape], tuple[nn.Module, Inputs]]:
+def _llama(width: int, layers: int, vocab: int = 1024) -> Callable[[BatchShape], tuple[nn.Module, Inputs]]:
     def make(shape: BatchShape) -> tuple[nn.Module, Inputs]:
         import transformers
 
-        config = transformers.LlamaConfig(vocab_size=1024, hidden_size=width, intermediate_size=width * 8 // 3,
+        config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=width * 8 // 3,
                                           num_hidden_layers=layers, num_attention_heads=max(2, width // 32),
                                           num_key_value_heads=max(1, width // 64), max_position_embeddings=1024,
                                           attention_dropout=0.0)
-        ids = _token_batch(1024, shape)
+        ids = _token_batch(vocab, shape)
         return transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids, "use_cache": False}
     return make
 
 
-def _gpt2(width: int, layers: int) -> Callable[[BatchShape], tuple[nn.Module, Inputs]]:
+def _gpt2(width: int, layers: int, vocab: int = 1024) -> Callable[[BatchShape], tuple[nn.Module, Inputs]]:
     def make(shape: BatchShape) -> tuple[nn.Module, Inputs]:
         import transformers
 
-        config = transformers.GPT2Config(vocab_size=1024, n_embd=width, n_layer=layers, n_head=max(2, width // 32),
+        config = transformers.GPT2Config(vocab_size=vocab, n_embd=width, n_layer=layers, n_head=max(2, width // 32),
                                          n_positions=1024, bos_token_id=0, eos_token_id=0)
-        ids = _token_batch(1024, shape)
+        ids = _token_batch(vocab, shape)
         return transformers.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids, "use_cache": False}
     return make
 
@@ -291,6 +291,12 @@ for _model in (
     _entry("hf-vit-224", "HF ViT", "12 x 192", _vit(192, 12), _images(32, 224), _vit_blocks, "hf-vit"),
     _entry("unet-small-b8", "unet('small')", "3 levels x 2 blocks, 32 ch", _built_in(lambda: unet("small")),
            _images(8, 64), _own_blocks, "unet"),
+    # Decoders with real vocabularies (Llama 2's 32,000; GPT-2's 50,257), where the loss head dominates once the
+    # blocks are checkpointed: the loss head's benchmark (bench/README.md, "Below every block").
+    _entry("hf-llama-32k-4x512", "HF Llama, vocab 32,000", "8 x 256", _llama(256, 8, 32000), _tokens(4, 512),
+           _llama_blocks, "hf-llama"),
+    _entry("hf-gpt2-50k-4x512", "HF GPT-2, vocab 50,257", "8 x 256", _gpt2(256, 8, 50257), _tokens(4, 512),
+           _gpt2_blocks, "hf-gpt2"),
     # Tiny models (the benchmark's --quick, tests), seconds each.
     _entry("gpt-tiny", "gpt('tiny')", "2 x 64", _built_in(lambda: gpt("tiny")), _tokens(2, 64), _own_blocks, "gpt"),
     _entry("hf-llama-tiny", "HF Llama", "4 x 64", _llama(64, 4), _tokens(2, 64), _llama_blocks, "hf-llama"),

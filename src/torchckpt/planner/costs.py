@@ -63,10 +63,10 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
 7. **[predicted peak is the maximum]** The predicted peak is the maximum of [forward-end peak],
    [backward peak], [forward peak] over the plan and [backward-end peak]; extra time is the sum of recompute times: a
    checkpointed block's option time, a region's forward time plus its inside's extra time.
-7b. **[backward-end peak]** After block 0's backward pass the plan no longer matters: what runs then
+8. **[backward-end peak]** After block 0's backward pass the plan no longer matters: what runs then
    (the embeddings' backward pass, beside every parameter gradient) peaks at ``fixed_bytes + tail_bytes``,
    measured. It binds only once the rest of the step is small (a chunked loss head, many blocks recomputed).
-8. **[measured schedules are predicted as measured]** Two schedules are measured when profiling: no
+9. **[measured schedules are predicted as measured]** Two schedules are measured when profiling: no
    checkpointing, which the rules above predict exactly by construction (the profiler's residues are
    fitted to that step), and every block checkpointed keeping nothing (what
    ``gradient_checkpointing_enable()`` does), whose measured peak is ``every_block_peak_bytes`` (0: not
@@ -79,7 +79,7 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
    made the checkpointed step no slower). ``step_time_s`` is the bare plain step. Only the peak of
    these two schedules and the extra time of the second are calibrated; every other plan's peak and
    time are predictions of rules 3-7 on those figures.
-9. **[a margin only where a plan was not measured]** A plan is accepted for a budget when its predicted
+10. **[a margin only where a plan was not measured]** A plan is accepted for a budget when its predicted
    peak plus its margin is within the budget: 0 for the two measured schedules, ``margin_bytes`` (the
    profiler's suggestion: 64 KiB plus 0.5% of the plain step's activation bytes, ``profile.HEADROOM_*``;
    or what the caller asks for, ``from_costs.resolve_margin``) for every other schedule. A cost model with

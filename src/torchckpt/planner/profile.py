@@ -69,6 +69,7 @@ import torch
 from torch import nn
 
 from torchckpt._host import paused_gc, preserved_state
+from torchckpt._units import format_bytes
 from torchckpt.executor import CheckpointHandle, checkpoint_modules
 from torchckpt.executor.compiled import eager_measurement, uncompiled
 from torchckpt.executor.kv_cache import kv_cache_off
@@ -101,6 +102,10 @@ tensors that live in one step and not another move a measured peak by a few hund
 selective plans on HF Llama measured up to 64 KiB above their prediction (2 hidden states of that
 test model). The two measured schedules (no checkpointing, every block checkpointed) keep none:
 ``fixed_bytes`` is the measured figure, without headroom."""
+
+HEAD_WORTH_CHUNKING = 0.1
+"""``loss_head=True`` measures the head in chunks (one more profiling step) only where the plain head needs at
+least this share of every block's measured peak at the end of the forward pass."""
 
 DISTRIBUTED_WARM_UP_STEPS = 2
 _log = logging.getLogger("torchckpt")
@@ -244,6 +249,10 @@ def _loss_head(runner: StepRunner, block_list: list[nn.Module], costs: ChainCost
         if path is None:
             return {"note": note}
     assert path is not None
+    if loss_head is True and costs.head_bytes < HEAD_WORTH_CHUNKING * costs.every_block_peak_bytes:
+        return {"note": f"no: the head ({path}) needs {format_bytes(costs.head_bytes)} at the end of the forward pass, "
+                        f"under {HEAD_WORTH_CHUNKING:.0%} of every block's peak, so computing it in chunks would hardly "
+                        "lower the floor (loss_head='<path>' measures it anyway)"}
     say(f"profiling step 6: the loss head ({path}) in chunks of tokens")
     held = sum(block.input_bytes + block.freed_side_input_bytes for block in costs.blocks)
     return measure_loss_head(runner, block_list, path, held_checkpointed=held, plain_head=costs.head_bytes,
