@@ -189,7 +189,9 @@ def _row(run: dict[str, Any], none_peak: int | None) -> str:
         predicted = f"{_bytes(run['predicted_peak_bytes'])} ({run['prediction_error']:+.1%})"
     within_budget = run.get("within_budget")
     within = "" if within_budget is None else "yes" if within_budget else "**NO**"
-    grads = "bitwise" if run.get("equal") else f"differ (max {run.get('max_abs_diff', float('nan')):.2g})"
+    grads = ("differ (max {:.2g})".format(run.get("max_abs_diff", float("nan"))) if not run.get("equal")
+             else f"to rounding ({run.get('relative_diff', 0):.1g}; loss head in chunks)" if run.get("to_rounding")
+             else "bitwise")
     note = f"same plan as {run['same_plan_as']}" if run.get("same_plan_as") else run.get("meter_note", "")[:60]
     return (f"| {run['label']} | ok | {_bytes(peak)} | {share} | {_bytes(run.get('peak_rss_bytes'))} | "
             f"{time_['median']:.3f} s ({time_['min']:.3f}–{time_['max']:.3f}) | {run['ratio_to_none']:.2f}x | "

@@ -29,7 +29,7 @@ from torchckpt.planner.apply import apply_plan
 from torchckpt.planner.plan import Plan
 from torchckpt.planner.runner import StepFn, StepRunner
 
-__all__ = ["VerifyReport", "verify_plan"]
+__all__ = ["VerifyReport", "compare_gradients", "loss_head_parameters", "verify_plan"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +120,7 @@ loss is exact]): it must be within ``ROUNDING_EPS_FACTOR`` machine epsilons of i
 entry (float32: 3.8e-6; measured 0.4-1.0e-6 in tests/executor/test_loss_head.py)."""
 
 
-def _compare(grads: list, reference: list, rounding: set[int] = frozenset()) -> tuple[bool, float, float]:
+def compare_gradients(grads: list, reference: list, rounding: set[int] = frozenset()) -> tuple[bool, float, float]:
     """Bitwise equality of all gradients (those at the indices in ``rounding``: within ROUNDING_EPS_FACTOR
     epsilons, relative), the largest absolute difference of the others (as float64) and the largest relative
     difference of those in ``rounding``."""
@@ -143,7 +143,7 @@ def _compare(grads: list, reference: list, rounding: set[int] = frozenset()) -> 
     return equal, difference, relative
 
 
-def _loss_head_parameters(model: nn.Module, plan: Plan) -> list[tuple[int, str]]:
+def loss_head_parameters(model: nn.Module, plan: Plan) -> list[tuple[int, str]]:
     """(index in ``parameters()``, name) of the parameters that share storage with a chunked loss head's."""
     if not plan.loss_head:
         return []
@@ -192,8 +192,8 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
         with apply_plan(model, plan), recompute_checks():
             peak, step_time, grads = _measured_step(runner, seed)
         differing = _first_difference(_buffer_bytes(model), plain_buffers)
-    head_params = _loss_head_parameters(model, plan)
-    equal, difference, relative = _compare(grads, plain_grads, {index for index, _ in head_params})
+    head_params = loss_head_parameters(model, plan)
+    equal, difference, relative = compare_gradients(grads, plain_grads, {index for index, _ in head_params})
     return VerifyReport(rounding_only=tuple(name for _, name in head_params), rounding_relative_difference=relative,
                         budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
                         measured_peak_bytes=peak, no_checkpointing_peak_bytes=plain_peak, gradients_equal=equal,
