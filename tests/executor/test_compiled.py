@@ -395,8 +395,8 @@ def test_a_handle_dropped_without_remove_sets_the_side_effect_flag_back() -> Non
 def test_a_chunked_loss_head_under_compile_runs_whole_without_a_graph_break() -> None:
     """Dynamo does not trace deferred logits: compiled, the head computes its logits whole, recorded on its
     handle, without breaking the graph (plans for compiled training are made with loss_head=False)."""
-    from torchckpt.executor.loss_head import ChunkedHeadHandle
     from torchckpt.executor import CheckpointHandle, wrap_forward
+    from torchckpt.executor.loss_head import ChunkedHeadHandle
 
     model, batch = _gpt()
     handle = ChunkedHeadHandle(head=model.head, chunk_tokens=16, warn=True)

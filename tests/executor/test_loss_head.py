@@ -164,7 +164,7 @@ def test_hf_models_with_labels_keep_every_gradient_but_the_heads_bitwise():
                                                                 attn_pdrop=0.0))
     ids = torch.randint(0, 3000, (2, 40))
     for model, tied in ((llama, "lm_head.weight"), (gpt2, "transformer.wte.weight")):
-        def step() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        def step(model: torch.nn.Module = model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             model.zero_grad(set_to_none=True)
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import torchckpt
-from torchckpt.planner.plan import PlanMismatchError
 from torchckpt.planner.from_costs import floor_over_options
+from torchckpt.planner.plan import PlanMismatchError
 
 transformers = pytest.importorskip("transformers")
 

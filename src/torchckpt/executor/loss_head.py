@@ -46,7 +46,7 @@ import contextlib
 import logging
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,11 +62,10 @@ _SHAPE_OPS = {torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten, tor
               torch.Tensor.__getitem__, torch.flatten, torch.reshape}
 _DTYPE_OPS = {torch.Tensor.float, torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.bfloat16, torch.Tensor.half,
               torch.Tensor.double}
-_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
-             torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,  # type: ignore[attr-defined]
-             torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.is_cuda.__get__,  # type: ignore[attr-defined]
-             torch.Tensor.layout.__get__, torch.Tensor.grad_fn.__get__, torch.Tensor.is_floating_point,  # type: ignore[attr-defined]
-             torch.Tensor.__hash__, torch.Tensor.is_sparse.__get__}  # type: ignore[attr-defined]
+_PROPERTIES = ("shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout", "grad_fn", "is_sparse")
+_METADATA: set[Any] = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
+                       torch.Tensor.is_floating_point, torch.Tensor.__hash__,
+                       *(vars(torch._C.TensorBase)[name].__get__ for name in _PROPERTIES)}
 
 
 CHUNKS_AT_MOST = 16
@@ -102,7 +101,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 target: torch.Tensor, dtype: torch.dtype | None, ignore_index: int, reduction: str,
                 chunk_tokens: int) -> torch.Tensor:
         rows = hidden.shape[0]
@@ -123,7 +122,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, ...]:
         hidden, weight, bias, target, total_weight = ctx.saved_tensors
         dtype, ignore_index, reduction, chunk_tokens = ctx.options
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
@@ -199,8 +198,9 @@ class ChunkedHeadHandle:
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head's forward while chunked: deferred logits, or real ones where they cannot be deferred."""
+        tokens = isinstance(hidden, torch.Tensor) and hidden.dim() >= 2
         reason = ("torch.compile" if torch.compiler.is_compiling()
-                  else "an input that is not a tensor of tokens" if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2
+                  else "an input that is not a tensor of tokens" if not tokens
                   else "autocast" if torch.is_autocast_enabled(hidden.device.type) else None)
         if reason is not None:
             self._made_real(reason)
@@ -246,7 +246,7 @@ def chunk_loss_head(head: nn.Module, chunk_tokens: int | None = None) -> Chunked
         return handle.forward(hidden)
 
     forward._torchckpt_head = handle  # type: ignore[attr-defined]
-    head.forward = forward  # type: ignore[method-assign]
+    head.forward = forward  # type: ignore[method-assign, assignment]
     return handle
 
 
@@ -285,7 +285,7 @@ class DeferredLogits(torch.Tensor):
     def __repr__(self) -> str:  # type: ignore[override]
         return f"DeferredLogits(shape={tuple(self.shape)}, dtype={self.dtype}; computed in chunks by torchckpt)"
 
-    def real(self) -> torch.Tensor:
+    def whole(self) -> torch.Tensor:
         """The logits, computed whole (what the plain head returns, cast as asked)."""
         head = self._handle.head
         with _plain_torch_function():
@@ -315,13 +315,14 @@ class DeferredLogits(torch.Tensor):
         owners = {id(a._handle): a._handle for a in (*args, *kwargs.values()) if isinstance(a, DeferredLogits)}
         for handle in owners.values():
             handle._made_real(name)
-        real_args = tuple(a.real() if isinstance(a, DeferredLogits) else a for a in args)
-        real_kwargs = {k: v.real() if isinstance(v, DeferredLogits) else v for k, v in kwargs.items()}
+        real_args = tuple(a.whole() if isinstance(a, DeferredLogits) else a for a in args)
+        real_kwargs = {k: v.whole() if isinstance(v, DeferredLogits) else v for k, v in kwargs.items()}
         with _plain_torch_function():
             return func(*real_args, **real_kwargs)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),  # type: ignore[override]
+                           kwargs: dict | None = None) -> Any:
         # Every Python-level use goes through __torch_function__ first, which makes the logits real.
         raise RuntimeError(f"torchckpt: deferred logits reached {func} below autograd; please report this "
                            "(chunked loss head)")

@@ -185,7 +185,8 @@ class CostModel:
     every block checkpointed keeping nothing; 0 when not measured, see [measured schedules are predicted
     as measured]); ``loss_head`` (the LM head computed in chunks of tokens, a plan option: ``path``,
     ``chunk_tokens``, ``head_bytes`` replacing the plain ``head_bytes`` when chosen, ``extra_time_s``; or only a
-    ``note`` saying why there is none; planner/head.py); ``margin_bytes`` (the margin ``margin="auto"`` gives plans that were not measured,
+    ``note`` saying why there is none; planner/head.py); ``margin_bytes`` (the margin ``margin="auto"`` gives
+    plans that were not measured,
     [a margin only where a plan was not measured]); ``block_paths`` and ``fingerprint`` (the model's
     block module paths and ``plan.fingerprint``, recorded by ``profile`` so that ``ChainCosts.plan`` can make
     plans from these costs alone).

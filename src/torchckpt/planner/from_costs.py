@@ -17,7 +17,8 @@ from torchckpt.planner.costs import BlockCosts, CostModel
 from torchckpt.planner.infeasible import with_paths
 from torchckpt.planner.plan import Plan, PlannedBlock, PlannedRegion, PlanPiece
 
-__all__ = ["ChainCosts", "check_margin_form", "floor_over_options", "head_options", "loss_head_note", "no_checkpointing_schedule",
+__all__ = ["ChainCosts", "check_margin_form", "floor_over_options", "head_options", "loss_head_note",
+           "no_checkpointing_schedule",
            "plan_from_costs", "plan_pieces", "regions_note", "resolve_budget", "resolve_margin", "with_head_note"]
 
 
@@ -292,7 +293,8 @@ def with_head_note(error: solver.InfeasibleBudgetError, costs: CostModel) -> sol
     if "head_bytes" in entry:
         head = f" The loss head ({entry['path']}) is computed in chunks at this floor."
     elif entry.get("note"):
-        head = f" The loss head ({format_bytes(costs.head_bytes)} at the end of the forward pass) stays whole: {entry['note']}."
+        head = (f" The loss head ({format_bytes(costs.head_bytes)} at the end of the forward pass) stays whole: "
+                f"{entry['note']}.")
     else:
         head = ""
     if not head:

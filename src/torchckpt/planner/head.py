@@ -90,12 +90,14 @@ def find_loss_head(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[str |
     return path, f"candidate: {path} (Linear {chosen.in_features} -> {chosen.out_features})"
 
 
-def measure_loss_head(runner: StepRunner, block_list: list[nn.Module], path: str, *, held_checkpointed: int, plain_head: int, every_block: Probe) -> dict[str, Any]:
+def measure_loss_head(runner: StepRunner, block_list: list[nn.Module], path: str, *, held_checkpointed: int,
+                      plain_head: int, every_block: Probe) -> dict[str, Any]:
     """One measured step with every block checkpointed and the head at ``path`` chunked; returns the
     ``CostModel.loss_head`` entry (module docstring's [the chunked head is measured]), or ``{"note": why}``
     when the step does not prove the head (its loss was not computed in chunks, or the logits were read).
 
-    ``held_checkpointed`` is what the checkpointed blocks hold (cost model bytes); ``plain_head`` its ``head_bytes``; ``every_block`` the profile's step with every block checkpointed.
+    ``held_checkpointed`` is what the checkpointed blocks hold (cost model bytes); ``plain_head`` its
+    ``head_bytes``; ``every_block`` the profile's step with every block checkpointed.
     """
     head = runner.model.get_submodule(path)
     assert isinstance(head, nn.Linear)
@@ -110,7 +112,7 @@ def measure_loss_head(runner: StepRunner, block_list: list[nn.Module], path: str
 
     if "forward" in vars(head):
         return {"note": f"no: {path} already has an instance-level forward (wrapped by something else)"}
-    head.forward = recording  # type: ignore[method-assign]
+    head.forward = recording  # type: ignore[method-assign, assignment]
     try:
         runner.clear_grads()
         with checkpoint_modules(block_list, policy="nothing_saveable"):
@@ -119,7 +121,8 @@ def measure_loss_head(runner: StepRunner, block_list: list[nn.Module], path: str
         del head.forward
         runner.clear_grads()
     if handle.materialized:
-        return {"note": f"no: the step read the logits of {path} whole ({', '.join(sorted(set(handle.materialized)))}), "
+        readers = ", ".join(sorted(set(handle.materialized)))
+        return {"note": f"no: the step read the logits of {path} whole ({readers}), "
                         "so they cannot be computed in chunks"}
     if handle.chunked_losses != 1 or len(shapes) != 1:
         return {"note": f"no: {path}'s output did not reach exactly one F.cross_entropy in the step "

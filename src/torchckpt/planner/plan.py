@@ -276,8 +276,8 @@ class Plan:
             except AttributeError:
                 head = None
             if not isinstance(head, nn.Linear):
-                raise PlanMismatchError(f"this plan computes the loss head {self.loss_head['path']!r} in chunks, but the "
-                                        "model has no nn.Linear at that path; make a new plan with "
+                raise PlanMismatchError(f"this plan computes the loss head {self.loss_head['path']!r} in chunks, "
+                                        "but the model has no nn.Linear at that path; make a new plan with "
                                         "torchckpt.plan(model, inputs, budget=...)")
         for key in ("model", "structure", "blocks") + (("inputs",) if example_inputs is not None else ()):
             if found[key] != self.fingerprint.get(key):

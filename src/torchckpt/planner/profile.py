@@ -251,8 +251,8 @@ def _loss_head(runner: StepRunner, block_list: list[nn.Module], costs: ChainCost
     assert path is not None
     if loss_head is True and costs.head_bytes < HEAD_WORTH_CHUNKING * costs.every_block_peak_bytes:
         return {"note": f"no: the head ({path}) needs {format_bytes(costs.head_bytes)} at the end of the forward pass, "
-                        f"under {HEAD_WORTH_CHUNKING:.0%} of every block's peak, so computing it in chunks would hardly "
-                        "lower the floor (loss_head='<path>' measures it anyway)"}
+                        f"under {HEAD_WORTH_CHUNKING:.0%} of every block's peak, so computing it in chunks would "
+                        "hardly lower the floor (loss_head='<path>' measures it anyway)"}
     say(f"profiling step 6: the loss head ({path}) in chunks of tokens")
     held = sum(block.input_bytes + block.freed_side_input_bytes for block in costs.blocks)
     return measure_loss_head(runner, block_list, path, held_checkpointed=held, plain_head=costs.head_bytes,
@@ -359,7 +359,8 @@ def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_times_s:
                                  freed_side_input_bytes=freed[i]))
     # costs.py's [backward-end peak]: the same in both steps but for noise; the larger
     tail = max(0, plain.tail_peak - fixed, recomputed.tail_peak - ckpt_fixed)
-    costs = ChainCosts(fixed_bytes=fixed, head_bytes=head, blocks=tuple(blocks), step_time_s=plain_step_s, tail_bytes=tail,
+    costs = ChainCosts(fixed_bytes=fixed, head_bytes=head, blocks=tuple(blocks), step_time_s=plain_step_s,
+                       tail_bytes=tail,
                        chain=chain, margin_bytes=margin, every_block_step_time_s=every_block_step_s,
                        notes={"chain": chain_note, "recompute_time_scale": time_note,
                               "headroom_bytes": "0"})  # fixed_bytes holds none now (margin_bytes); for old readers

@@ -120,7 +120,7 @@ loss is exact]): it must be within ``ROUNDING_EPS_FACTOR`` machine epsilons of i
 entry (float32: 3.8e-6; measured 0.4-1.0e-6 in tests/executor/test_loss_head.py)."""
 
 
-def compare_gradients(grads: list, reference: list, rounding: set[int] = frozenset()) -> tuple[bool, float, float]:
+def compare_gradients(grads: list, reference: list, rounding: set[int] | frozenset[int] = frozenset()) -> tuple[bool, float, float]:
     """Bitwise equality of all gradients (those at the indices in ``rounding``: within ROUNDING_EPS_FACTOR
     epsilons, relative), the largest absolute difference of the others (as float64) and the largest relative
     difference of those in ``rounding``."""
