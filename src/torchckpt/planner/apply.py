@@ -17,7 +17,7 @@ from torchckpt.executor import CheckpointHandle, checkpoint, save_ops, wrap_forw
 from torchckpt.executor.compiled import uncompiled
 from torchckpt.executor.kv_cache import disable_kv_cache
 from torchckpt.executor.loss_head import ChunkedHeadHandle
-from torchckpt.planner.blocks import positional_form
+from torchckpt.planner.blocks import block_pieces, positional_form
 from torchckpt.planner.plan import Plan, PlannedRegion, PlanPiece
 
 __all__ = ["apply_plan", "wrap_region"]
@@ -30,7 +30,9 @@ def apply_plan(model: nn.Module, plan: Plan) -> CheckpointHandle:
     blocks ``a..b-1`` runs, from block ``a``'s forward, all of its blocks inside one checkpoint (the
     inner plan applied inside), and blocks ``a+1..b-1`` pass their input through. This needs the model
     to call its blocks as a chain (each block's first argument is the previous block's output, the
-    other arguments are shared), which the profiler checks before a plan with regions is made. A plan with a
+    other arguments are shared), which the profiler checks before a plan with regions is made. A block whose
+    pieces are nested (``PlannedBlock.nested``) also checkpoints each of ``blocks.block_pieces(block)`` inside
+    it. A plan with a
     chunked loss head (``plan.loss_head``) makes that head return deferred logits whose cross-entropy is
     computed in chunks (``executor/loss_head.py``); a loop that reads them whole gets them, with a warning that
     the plan's peak assumed otherwise.
@@ -59,6 +61,9 @@ def apply_plan(model: nn.Module, plan: Plan) -> CheckpointHandle:
             policy = save_ops(piece.keep, name=f"plan:{plan.block_paths[piece.block]}",
                               ops=piece.keep_ops if piece.keep_ops or not piece.keep else None)
             wrap_forward(block, functools.partial(checkpoint, block.forward, policy=policy), wrapped)
+            if piece.nested:  # costs.py's [pieces nested inside a block]
+                for child in block_pieces(block):
+                    wrap_forward(child, functools.partial(checkpoint, child.forward), wrapped)
     if plan.loss_head:  # checked by check_fits: an nn.Linear at that path
         head = model.get_submodule(plan.loss_head["path"])
         chunked = ChunkedHeadHandle(head=head, chunk_tokens=plan.loss_head["chunk_tokens"], warn=True)

@@ -47,7 +47,8 @@ from torch import nn
 
 from torchckpt.executor.compiled import is_compiled_module, uncompiled
 
-__all__ = ["block_paths", "describe_paths", "find_blocks", "positional_form", "resolve_blocks", "structure_key"]
+__all__ = ["block_paths", "block_pieces", "describe_paths", "find_blocks", "positional_form", "resolve_blocks",
+           "structure_key"]
 
 _FIRST_PARAMETER: dict[type, str | None] = {}  # a block class -> its forward's first parameter, if by-keyword-able
 
@@ -65,6 +66,22 @@ def structure_key(module: nn.Module) -> tuple:
     params = tuple((name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters(recurse=False))
     children = tuple((name, structure_key(child)) for name, child in module.named_children())
     return (type(module).__qualname__, params, children)
+
+
+def block_pieces(block: nn.Module) -> list[nn.Module]:
+    """The pieces a block may checkpoint inside itself (costs.py's [pieces nested inside a block]): its direct
+    children that hold parameters (attention, MLP, norms; a residual block's convolutions), in registration
+    order; none when fewer than two (nothing to split).
+
+    Example:
+        >>> block = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+        >>> [type(piece).__name__ for piece in block_pieces(block)]
+        ['Linear', 'Linear']
+        >>> block_pieces(nn.Linear(4, 4))
+        []
+    """
+    pieces = [child for child in block.children() if any(True for _ in child.parameters())]
+    return pieces if len(pieces) >= 2 else []
 
 
 def describe_paths(paths: Sequence[str]) -> str:

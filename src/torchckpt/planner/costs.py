@@ -41,7 +41,8 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
 5. **[backward peak]** The backward pass visits pieces in reverse. With ``C`` the bytes live around the
    chain (top level: ``fixed_bytes + y_{n-1}``, the gradient arriving from the head) and ``H`` the bytes
    held by earlier pieces of the same chain, the backward of block ``i`` peaks at
-   ``C + H + x_i + saved_bytes_i + backward_peak_bytes_i (+ recompute_peak_bytes_i if checkpointed)
+   ``C + H + x_i + saved_bytes_i + backward_peak_bytes_i (+ recompute_peak_bytes_i if checkpointed;
+   with its pieces nested, rule 11 replaces the last three terms)
    (+ y_i unless i is block n-1, whose incoming gradient is already in C)``, less ``x_i`` for a plain
    block without ``input_held_when_plain``.
    A region's inside is evaluated as a chain with ``C' = C + H + region_recompute_bytes`` (plus
@@ -85,6 +86,16 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
    or what the caller asks for, ``from_costs.resolve_margin``) for every other schedule. A cost model with
    ``measured=False`` (a plan option the profiler measured only in part, such as the chunked loss head:
    ``from_costs.head_options``) gives every schedule the margin.
+11. **[pieces nested inside a block]** A block checkpointed keeping nothing may also checkpoint its pieces
+   (``blocks.block_pieces``: its direct children with parameters, such as attention, MLP and norms) inside
+   its recomputation, so that recomputing it holds the pieces' inputs and one piece's activations at a
+   time instead of all of its activations. It holds what keep-nothing holds plus ``nested_held_bytes`` (what
+   its pieces' checkpoints keep alive through the forward pass, measured: a piece's input that the block made,
+   such as a norm's output); its backward pass peaks at
+   ``C + H + x_i (+ freed side inputs) + nested_recompute_peak_bytes_i (+ y_i unless i is n-1)``: measured with
+   every block so checkpointed, it replaces ``saved_bytes_i + backward_peak_bytes_i + recompute_peak_bytes_i``
+   (-1: not measured, no such option; offered only where it is smaller); it recomputes its forward twice (``2 * forward_time_s``:
+   the block, then each piece again; the pieces are most of the block's work). Not inside regions.
 """
 
 from __future__ import annotations
@@ -160,8 +171,14 @@ class BlockCosts:
     ops: tuple[OpCosts, ...] = ()
     input_held_when_plain: bool = True
     freed_side_input_bytes: int = 0
+    nested_recompute_peak_bytes: int = -1
+    nested_held_bytes: int = 0
 
     def __post_init__(self) -> None:
+        nested = self.nested_recompute_peak_bytes
+        if isinstance(nested, bool) or not isinstance(nested, int) or nested < -1:
+            raise ValueError(f"BlockCosts({self.name!r}).nested_recompute_peak_bytes must be an int >= 0, or -1 (not "
+                             f"measured); got {nested!r}")
         if not isinstance(self.input_held_when_plain, bool):
             raise ValueError(f"BlockCosts({self.name!r}).input_held_when_plain must be a bool; got "
                              f"{self.input_held_when_plain!r}")
@@ -170,7 +187,7 @@ class BlockCosts:
                             forward_time_s=self.forward_time_s, forward_peak_bytes=self.forward_peak_bytes,
                             backward_peak_bytes=self.backward_peak_bytes,
                             recompute_peak_bytes=self.recompute_peak_bytes,
-                            freed_side_input_bytes=self.freed_side_input_bytes)
+                            freed_side_input_bytes=self.freed_side_input_bytes, nested_held_bytes=self.nested_held_bytes)
         object.__setattr__(self, "ops", tuple(op if isinstance(op, OpCosts) else OpCosts(**op) for op in self.ops))
 
 

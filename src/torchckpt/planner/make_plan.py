@@ -27,7 +27,7 @@ __all__ = ["plan"]
 def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, optimizer: torch.optim.Optimizer | None = None,
          blocks: str | Sequence[nn.Module] = "auto", regions: bool = True, step_fn: StepFn | None = None,
-         margin: int | float | str = "auto", loss_head: bool | str = True) -> Plan:
+         margin: int | float | str = "auto", loss_head: bool | str = True, pieces: bool = True) -> Plan:
     """Measure ``model`` and return the plan with the least predicted recompute time within ``budget``.
 
     The budget covers the whole step as the profiler runs it: by default ``loss = (loss_fn or
@@ -43,6 +43,8 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     ``loss_head``: the LM head may compute its logits and cross-entropy in chunks of tokens where the budget needs
     it and the loop never reads the logits whole (True: the head is found; a module path; False: never).
     Every gradient stays bitwise but the head weight's (and what it is tied to), equal to rounding.
+    ``pieces``: a block may also be checkpointed with its pieces (attention, MLP, norms: ``blocks.block_pieces``)
+    checkpointed inside it, so that recomputing it peaks lower (False: never).
 
     ``margin`` is kept below the budget by plans the profiler did not measure (``resolve_margin``):
     ``"auto"`` (64 KiB plus 0.5% of the plain step's activations), bytes, or a share of the budget. No
@@ -69,7 +71,7 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     # the blocks as profiled: "auto" is taken in the order the blocks run (profile's rule)
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, regions=regions,
-                    step_fn=step_fn, loss_head=loss_head)
+                    step_fn=step_fn, loss_head=loss_head, pieces=pieces)
     paths = list(costs.block_paths)
     return plan_from_costs(costs, budget, block_paths=paths,
                            model_fingerprint=fingerprint(model, example_inputs, paths), regions=regions, margin=margin)

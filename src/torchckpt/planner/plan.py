@@ -34,8 +34,9 @@ __all__ = ["Plan", "PlanMismatchError", "PlanPiece", "PlannedBlock", "PlannedReg
            "iter_blocks"]
 
 FORMAT_VERSION = 2
-# A plan without a chunked loss head is written as version 1, which torchckpt releases before the loss head read
-# the same way; one with it as version 2, which they refuse by version instead of applying it without the head.
+# A plan without a chunked loss head or nested pieces is written as version 1, which torchckpt releases before
+# them read the same way; one with either as version 2, which they refuse by version instead of applying it
+# without them.
 _WITHOUT_LOSS_HEAD_VERSION = 1
 
 
@@ -63,11 +64,15 @@ class PlannedBlock:
     plain: bool
     keep: tuple[int, ...] = ()
     keep_ops: tuple[str, ...] = ()
+    nested: bool = False  # its pieces checkpointed inside it (costs.py's [pieces nested inside a block])
 
     def __post_init__(self) -> None:
         check_index("PlannedBlock.block", self.block)
-        if not isinstance(self.plain, bool):
-            raise ValueError(f"PlannedBlock.plain must be a bool; got {self.plain!r}")
+        if not isinstance(self.plain, bool) or not isinstance(self.nested, bool):
+            raise ValueError(f"PlannedBlock.plain and .nested must be bools; got {self.plain!r}, {self.nested!r}")
+        if self.nested and (self.plain or tuple(self.keep)):
+            raise ValueError(f"PlannedBlock(block={self.block}) nests its pieces: it must be checkpointed keeping "
+                             "nothing (plain=False, no keep)")
         keep = tuple(self.keep)
         for index in keep:
             check_index("PlannedBlock.keep[]", index)
@@ -140,6 +145,8 @@ def _piece_to_json(piece: PlanPiece) -> dict[str, Any]:
     if isinstance(piece, PlannedRegion):
         return {"region": [piece.start, piece.stop], "inner": [_piece_to_json(p) for p in piece.inner]}
     entry: dict[str, Any] = {"block": piece.block, "plain": piece.plain}
+    if piece.nested:
+        entry["nested"] = True
     if not piece.plain:
         entry["keep"] = list(piece.keep)
         if piece.keep_ops:
@@ -154,7 +161,7 @@ def _piece_from_json(entry: Any) -> PlanPiece:
         start, stop = entry["region"]
         return PlannedRegion(start=start, stop=stop, inner=tuple(_piece_from_json(p) for p in entry["inner"]))
     return PlannedBlock(block=entry["block"], plain=entry["plain"], keep=tuple(entry.get("keep", ())),
-                        keep_ops=tuple(entry.get("keep_ops", ())))
+                        keep_ops=tuple(entry.get("keep_ops", ())), nested=entry.get("nested", False))
 
 
 def fingerprint(model: nn.Module, example_inputs: tuple | dict, block_paths: list[str]) -> dict[str, Any]:
@@ -230,6 +237,8 @@ class Plan:
             index = piece.block
             if piece.plain:
                 decision = "keep all"
+            elif piece.nested:
+                decision = "recompute all, pieces nested"
             elif piece.keep:
                 decision = f"recompute, keep {len(piece.keep)} ops"
             else:
@@ -288,7 +297,8 @@ class Plan:
 
     def to_json(self) -> str:
         """JSON text (round-trips exactly through :meth:`from_json`)."""
-        version = FORMAT_VERSION if self.loss_head else _WITHOUT_LOSS_HEAD_VERSION
+        nested = any(piece.nested for piece, _ in iter_blocks(self.schedule))
+        version = FORMAT_VERSION if self.loss_head or nested else _WITHOUT_LOSS_HEAD_VERSION
         payload = {"format": "torchckpt.plan", "version": version, "budget_bytes": self.budget_bytes,
                    "predicted_peak_bytes": self.predicted_peak_bytes,
                    "predicted_extra_time_s": self.predicted_extra_time_s,

@@ -76,7 +76,7 @@ from torchckpt.executor.kv_cache import kv_cache_off
 from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner import solve as solver
 from torchckpt.planner.apply import wrap_region
-from torchckpt.planner.blocks import block_paths, resolve_blocks
+from torchckpt.planner.blocks import block_paths, block_pieces, resolve_blocks
 from torchckpt.planner.costs import BlockCosts, OpCosts
 from torchckpt.planner.distributed import (
     agree_costs,
@@ -120,6 +120,7 @@ def profile(
     regions: bool = True,
     step_fn: StepFn | None = None,
     loss_head: bool | str = True,
+    pieces: bool = True,
 ) -> ChainCosts:
     """Measure ``model`` on ``example_inputs`` and return its cost model.
 
@@ -143,6 +144,8 @@ def profile(
     returned on every rank are the largest any rank measured (``planner.distributed``), so every rank makes
     the same plan for a per-rank budget. ``loss_head`` (True: found; a module path; False: off) adds one measured
     step with the LM head computed in chunks of tokens, a plan option (``costs.loss_head``, planner/head.py).
+    ``pieces`` (default True) adds one measured step with every block checkpointed and its pieces nested inside
+    it (costs.py's [pieces nested inside a block]), a menu option of each block that has pieces.
 
     Example:
         >>> from torchckpt.models import gpt
@@ -163,7 +166,7 @@ def profile(
         if group is not None:
             _engine_warm_up(runner, block_list)
         try:
-            costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head)
+            costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head, pieces)
         except BlockOrderError as error:  # on every rank alike (planner.distributed.same_outcome)
             if not (isinstance(blocks, str) and blocks == "auto"):
                 raise
@@ -172,7 +175,7 @@ def profile(
             # the order they ran in, which the failed step measured, and profile again.
             block_list = [block_list[k] for k in error.ran]
             runner.clear_grads()
-            costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head)
+            costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head, pieces)
     if group is None:
         return costs
     costs = replace(costs, notes={**costs.notes, "engine": str(engine_of(model))})
@@ -198,7 +201,8 @@ def _engine_warm_up(runner: StepRunner, block_list: list[nn.Module]) -> None:
 
 
 def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Callable[[str], None] | None,
-                   regions_off: str | None = None, group: Any = None, loss_head: bool | str = True) -> ChainCosts:
+                   regions_off: str | None = None, group: Any = None, loss_head: bool | str = True,
+                   pieces: bool = True) -> ChainCosts:
     """The profile's steps; ``regions_off``, when given, says why plans from these costs have no regions.
     With a process ``group``, every decision that changes which steps run is taken by all ranks alike."""
     say = progress or (lambda message: None)
@@ -232,7 +236,51 @@ def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Ca
     elif costs.chain and len(block_list) > 1:
         say("profiling step 5: a region of two blocks")
         costs = replace(costs, region_recompute_bytes=_region_residue(runner, block_list, costs))
+    if pieces and group is None and any(block_pieces(block) for block in block_list):
+        say("profiling step 6: every block recomputed with its pieces (attention, MLP, ...) nested inside")
+        costs = _nested_pieces(runner, block_list, costs, recomputed)
+    elif pieces and group is not None:
+        costs = replace(costs, notes={**costs.notes, "pieces": "no: not planned under DDP or FSDP2 yet"})
     return replace(costs, loss_head=_loss_head(runner, block_list, costs, recomputed, say, group, loss_head))
+
+
+def _nested_pieces(runner: StepRunner, block_list: list[nn.Module], costs: ChainCosts,
+                   recomputed: Probe) -> ChainCosts:
+    """costs.py's [pieces nested inside a block]: one measured step with every block checkpointed keeping nothing
+    and its pieces (``blocks.block_pieces``) checkpointed inside it; each block's backward peak there, less what
+    [backward peak] counts besides the block's own activations and transients (``C + H``, what the checkpoint
+    holds, the incoming gradient), is its ``nested_recompute_peak_bytes``; what a block's forward pass leaves behind
+    beyond what it leaves with every block checkpointed plainly (``recomputed``, the profile's first step) is its
+    ``nested_held_bytes``. A step that fails (a piece that cannot be checkpointed) leaves the option out,
+    with the reason in ``notes["pieces"]``."""
+    children = [piece for block in block_list for piece in block_pieces(block)]
+    runner.clear_grads()
+    try:
+        with checkpoint_modules(block_list, policy="nothing_saveable"), \
+                checkpoint_modules(children, policy="nothing_saveable"):
+            probe = measure_step(runner, block_list, record_ops=False)
+    except Exception as error:  # noqa: BLE001 - any failure of the optional step only removes the option
+        runner.clear_grads()
+        note = f"no: the step with pieces nested failed ({type(error).__name__}: {str(error)[:200]})"
+        _log.info("torchckpt: %s", note)
+        return replace(costs, notes={**costs.notes, "pieces": note})
+    runner.clear_grads()
+    fixed = probe.traces[0].before_forward - probe.traces[0].input_bytes
+    blocks, n = costs.blocks, len(costs.blocks)
+    last_output = blocks[-1].output_bytes
+    updated, held = [], 0
+    for i, (block, trace, plain) in enumerate(zip(blocks, probe.traces, recomputed.traces)):
+        if not block_pieces(block_list[i]):
+            updated.append(block)
+            held += block.input_bytes + block.freed_side_input_bytes
+            continue
+        extra = max(0, (trace.after_forward - trace.before_forward) - (plain.after_forward - plain.before_forward))
+        incoming = 0 if i == n - 1 else block.output_bytes
+        base = fixed + last_output + held + block.input_bytes + block.freed_side_input_bytes + extra + incoming
+        nested = max(0, (trace.backward_peak or 0) - base)
+        updated.append(replace(block, nested_recompute_peak_bytes=nested, nested_held_bytes=extra))
+        held += block.input_bytes + block.freed_side_input_bytes + extra
+    return replace(costs, blocks=tuple(updated))
 
 
 def _loss_head(runner: StepRunner, block_list: list[nn.Module], costs: ChainCosts, recomputed: Probe,
@@ -253,7 +301,7 @@ def _loss_head(runner: StepRunner, block_list: list[nn.Module], costs: ChainCost
         return {"note": f"no: the head ({path}) needs {format_bytes(costs.head_bytes)} at the end of the forward pass, "
                         f"under {HEAD_WORTH_CHUNKING:.0%} of every block's peak, so computing it in chunks would "
                         "hardly lower the floor (loss_head='<path>' measures it anyway)"}
-    say(f"profiling step 6: the loss head ({path}) in chunks of tokens")
+    say(f"profiling step 7: the loss head ({path}) in chunks of tokens")
     held = sum(block.input_bytes + block.freed_side_input_bytes for block in costs.blocks)
     return measure_loss_head(runner, block_list, path, held_checkpointed=held, plain_head=costs.head_bytes,
                              every_block=recomputed)

@@ -25,6 +25,7 @@ class MenuOption:
     held_bytes: int
     recompute_s: float
     plain: bool
+    nested: bool = False  # costs.py's [pieces nested inside a block]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ Menu rules:
 1. **[plain and keep-nothing are always on the menu]** Option 0 is plain (no checkpoint,
    ``held_bytes = saved_bytes``, no recompute); the last option keeps nothing (``kept_ops == ()``,
    recomputes the whole forward). Both are always present.
-2. **[only undominated options]** In between: checkpoint options holding less than ``saved_bytes``
+2. **[only undominated options]** In between (and, just before keep-nothing, keep-nothing with the block's
+   pieces nested when it was measured to peak lower: costs.py's [pieces nested inside a block]): checkpoint options holding less than ``saved_bytes``
    (anything holding as much is dominated by plain), not dominated by another option, by held bytes
    descending.
 3. **[at most 16 options]** At most ``MENU_MAX_OPTIONS`` (16) options: beyond that the in-between points
@@ -100,4 +101,9 @@ def block_menu(block: BlockCosts) -> tuple[MenuOption, ...]:
     nothing = MenuOption(kept_ops=(), held_bytes=0, recompute_s=max(0.0, float(block.forward_time_s) - 0.0),
                          plain=False)
     middle = _span(_checkpoint_options(block, ops), block.saved_bytes, MENU_MAX_OPTIONS - 2)
-    return (plain, *reversed(middle), nothing)
+    # costs.py's [pieces nested inside a block]: just before keep-nothing (which stays last), when it peaks lower
+    whole = block.saved_bytes + block.backward_peak_bytes + block.recompute_peak_bytes
+    nested = () if not 0 <= block.nested_recompute_peak_bytes < whole else (
+        MenuOption(kept_ops=(), held_bytes=block.nested_held_bytes, recompute_s=2 * nothing.recompute_s, plain=False,
+                   nested=True),)
+    return (plain, *reversed(middle), *nested, nothing)
