@@ -92,7 +92,8 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
    time instead of all of its activations. It holds what keep-nothing holds plus ``nested_held_bytes`` (what
    its pieces' checkpoints keep alive through the forward pass, measured: a piece's input that the block made,
    such as a norm's output); its backward pass peaks at
-   ``C + H + x_i (+ freed side inputs) + nested_recompute_peak_bytes_i (+ y_i unless i is n-1)``: measured with
+   ``C + H + x_i (+ freed side inputs) + nested_held_bytes_i + nested_recompute_peak_bytes_i (+ y_i unless i is
+   n-1)``: measured with
    every block so checkpointed, it replaces ``saved_bytes_i + backward_peak_bytes_i + recompute_peak_bytes_i``
    (-1: not measured, no such option; offered only where it is smaller); it recomputes its forward twice (``2 * forward_time_s``:
    the block, then each piece again; the pieces are most of the block's work). Not inside regions.

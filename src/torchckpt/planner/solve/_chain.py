@@ -96,7 +96,7 @@ class Chain:
         held_input = self._input_held_bytes(block, option)
         backward = held_input + b.saved_bytes + b.backward_peak_bytes + recompute + incoming
         if option.nested:  # costs.py's [pieces nested inside a block]: measured in place of the last three terms
-            backward = held_input + b.nested_recompute_peak_bytes + incoming
+            backward = held_input + option.held_bytes + b.nested_recompute_peak_bytes + incoming
         return max(forward, backward)
 
     def region_context_bytes(self, start: int) -> int:

@@ -103,7 +103,7 @@ def block_menu(block: BlockCosts) -> tuple[MenuOption, ...]:
     middle = _span(_checkpoint_options(block, ops), block.saved_bytes, MENU_MAX_OPTIONS - 2)
     # costs.py's [pieces nested inside a block]: just before keep-nothing (which stays last), when it peaks lower
     whole = block.saved_bytes + block.backward_peak_bytes + block.recompute_peak_bytes
-    nested = () if not 0 <= block.nested_recompute_peak_bytes < whole else (
+    nested = () if not 0 <= block.nested_recompute_peak_bytes + block.nested_held_bytes < whole else (
         MenuOption(kept_ops=(), held_bytes=block.nested_held_bytes, recompute_s=2 * nothing.recompute_s, plain=False,
                    nested=True),)
     return (plain, *reversed(middle), *nested, nothing)
