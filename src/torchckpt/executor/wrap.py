@@ -32,9 +32,11 @@ _MARK = "_torchckpt_wrapped"
 class CheckpointHandle:
     """Undo handle returned by :func:`checkpoint_modules`; ``remove()`` restores the original forwards."""
 
-    def __init__(self, modules: list[nn.Module], cache_configs: list[Any] | None = None) -> None:
+    def __init__(self, modules: list[nn.Module], cache_configs: list[Any] | None = None,
+                 undo: list[Callable[[], None]] | None = None) -> None:
         self._modules = modules
         self._cache_configs = list(cache_configs or ())
+        self._undo = list(undo or ())  # more to undo on remove() (an optimizer run in backward)
         # Note: [Python side effects run once under compile]; a handle dropped without remove() lets go when collected
         self._side_effects = SideEffectsOnce() if modules else None
         if self._side_effects is not None:
@@ -60,6 +62,9 @@ class CheckpointHandle:
                 del module.forward
                 delattr(module, _MARK)
         self._modules = []
+        for undo in self._undo:
+            undo()
+        self._undo = []
         restore_kv_cache(self._cache_configs)
         self._cache_configs = []
         if self._side_effects is not None:

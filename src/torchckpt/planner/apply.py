@@ -11,19 +11,21 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from torchckpt.executor import CheckpointHandle, checkpoint, save_ops, wrap_forward
 from torchckpt.executor.compiled import uncompiled
 from torchckpt.executor.kv_cache import disable_kv_cache
 from torchckpt.executor.loss_head import ChunkedHeadHandle
+from torchckpt.executor.optimizer_in_backward import optimizer_in_backward
 from torchckpt.planner.blocks import block_pieces, positional_form
 from torchckpt.planner.plan import Plan, PlannedRegion, PlanPiece
 
 __all__ = ["apply_plan", "wrap_region"]
 
 
-def apply_plan(model: nn.Module, plan: Plan) -> CheckpointHandle:
+def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | None = None) -> CheckpointHandle:
     """Realise ``plan`` on ``model`` in place; returns the handle that undoes it.
 
     Single blocks are wrapped in a checkpoint that keeps the plan's ops (``save_ops``). A region of
@@ -35,7 +37,8 @@ def apply_plan(model: nn.Module, plan: Plan) -> CheckpointHandle:
     it. A plan with a
     chunked loss head (``plan.loss_head``) makes that head return deferred logits whose cross-entropy is
     computed in chunks (``executor/loss_head.py``); a loop that reads them whole gets them, with a warning that
-    the plan's peak assumed otherwise.
+    the plan's peak assumed otherwise. A plan made with ``optimizer_in_backward=True`` runs ``optimizer``'s update
+    per parameter inside the backward pass (``executor/optimizer_in_backward.py``) until ``remove()``.
 
     Example:
         >>> import torchckpt
@@ -51,6 +54,10 @@ def apply_plan(model: nn.Module, plan: Plan) -> CheckpointHandle:
                         "(make one with torchckpt.plan(model, inputs, budget=...) or Plan.load(path))")
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     plan.check_fits(model)
+    if plan.optimizer_in_backward and optimizer is None:
+        raise ValueError("this plan was made with the optimizer's update inside the backward pass "
+                         "(optimizer_in_backward=True): pass the optimizer, "
+                         "torchckpt.apply(model, plan, optimizer=...)")
     blocks = [uncompiled(model.get_submodule(path)) for path in plan.block_paths]
     wrapped: list[nn.Module] = []
     for piece in plan.schedule:
@@ -72,7 +79,15 @@ def apply_plan(model: nn.Module, plan: Plan) -> CheckpointHandle:
     # The profiler measured every step, the plain one too, with the cache off: so is the model under any plan,
     # even one that recomputes nothing, or its peak would differ from the prediction.
     cache_configs = disable_kv_cache([model], while_="a plan is applied", undo="handle.remove()")
-    return CheckpointHandle(wrapped, cache_configs)
+    undo = []
+    if plan.optimizer_in_backward:
+        assert optimizer is not None
+        try:
+            undo.append(optimizer_in_backward(optimizer).remove)
+        except (TypeError, ValueError):
+            CheckpointHandle(wrapped, cache_configs).remove()
+            raise
+    return CheckpointHandle(wrapped, cache_configs, undo)
 
 
 def _hidden(output: Any) -> Any:

@@ -95,7 +95,8 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
    ``C + H + x_i (+ freed side inputs) + nested_held_bytes_i + nested_recompute_peak_bytes_i (+ y_i unless i is
    n-1)``: measured with
    every block so checkpointed, it replaces ``saved_bytes_i + backward_peak_bytes_i + recompute_peak_bytes_i``
-   (-1: not measured, no such option; offered only where it is smaller); it recomputes its forward twice (``2 * forward_time_s``:
+   (-1: not measured, no such option; offered only where it is smaller); it recomputes its forward twice
+   (``2 * forward_time_s``:
    the block, then each piece again; the pieces are most of the block's work). Not inside regions.
 """
 
@@ -188,7 +189,8 @@ class BlockCosts:
                             forward_time_s=self.forward_time_s, forward_peak_bytes=self.forward_peak_bytes,
                             backward_peak_bytes=self.backward_peak_bytes,
                             recompute_peak_bytes=self.recompute_peak_bytes,
-                            freed_side_input_bytes=self.freed_side_input_bytes, nested_held_bytes=self.nested_held_bytes)
+                            freed_side_input_bytes=self.freed_side_input_bytes,
+                            nested_held_bytes=self.nested_held_bytes)
         object.__setattr__(self, "ops", tuple(op if isinstance(op, OpCosts) else OpCosts(**op) for op in self.ops))
 
 
@@ -231,6 +233,7 @@ class CostModel:
     loss_head: dict[str, Any] = field(default_factory=dict)
     tail_bytes: int = 0
     measured: bool = True
+    optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
@@ -251,8 +254,9 @@ class CostModel:
         blocks = tuple(b if isinstance(b, BlockCosts) else BlockCosts(**b) for b in self.blocks)
         if not blocks:
             raise ValueError(f"{kind}.blocks is empty: a cost model needs at least one block")
-        if not isinstance(self.measured, bool):
-            raise ValueError(f"{kind}.measured must be a bool; got {self.measured!r}")
+        if not isinstance(self.measured, bool) or not isinstance(self.optimizer_in_backward, bool):
+            raise ValueError(f"{kind}.measured and .optimizer_in_backward must be bools; got {self.measured!r}, "
+                             f"{self.optimizer_in_backward!r}")
         if not isinstance(self.chain, bool):
             raise ValueError(f"{kind}.chain must be a bool; got {self.chain!r}")
         for before, after in zip(blocks, blocks[1:] if self.chain else ()):

@@ -27,7 +27,8 @@ __all__ = ["plan"]
 def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, optimizer: torch.optim.Optimizer | None = None,
          blocks: str | Sequence[nn.Module] = "auto", regions: bool = True, step_fn: StepFn | None = None,
-         margin: int | float | str = "auto", loss_head: bool | str = True, pieces: bool = True) -> Plan:
+         margin: int | float | str = "auto", loss_head: bool | str = True, pieces: bool = True,
+         optimizer_in_backward: bool = False) -> Plan:
     """Measure ``model`` and return the plan with the least predicted recompute time within ``budget``.
 
     The budget covers the whole step as the profiler runs it: by default ``loss = (loss_fn or
@@ -45,6 +46,10 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     Every gradient stays bitwise but the head weight's (and what it is tied to), equal to rounding.
     ``pieces``: a block may also be checkpointed with its pieces (attention, MLP, norms: ``blocks.block_pieces``)
     checkpointed inside it, so that recomputing it peaks lower (False: never).
+    ``optimizer_in_backward=True`` (opt-in; needs ``optimizer``) plans with the optimizer's update run per
+    parameter inside the backward pass, so gradients do not all live at once; apply the plan with
+    ``torchckpt.apply(model, plan, optimizer=optimizer)``. Not with gradient clipping, GradScaler or gradient
+    accumulation (executor/optimizer_in_backward.py's [what needs every gradient is refused]).
 
     ``margin`` is kept below the budget by plans the profiler did not measure (``resolve_margin``):
     ``"auto"`` (64 KiB plus 0.5% of the plain step's activations), bytes, or a share of the budget. No
@@ -71,7 +76,8 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     # the blocks as profiled: "auto" is taken in the order the blocks run (profile's rule)
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, regions=regions,
-                    step_fn=step_fn, loss_head=loss_head, pieces=pieces)
+                    step_fn=step_fn, loss_head=loss_head, pieces=pieces,
+                    optimizer_in_backward=optimizer_in_backward)
     paths = list(costs.block_paths)
     return plan_from_costs(costs, budget, block_paths=paths,
                            model_fingerprint=fingerprint(model, example_inputs, paths), regions=regions, margin=margin)

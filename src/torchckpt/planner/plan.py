@@ -194,6 +194,8 @@ class Plan:
             plan has no regions).
         loss_head: empty, or ``{"path", "chunk_tokens"}``: the LM head at that module path computes its
             logits and cross-entropy in chunks of that many tokens (``executor/loss_head.py``).
+        optimizer_in_backward: the plan was measured with the optimizer's update run per parameter inside the
+            backward pass (``executor/optimizer_in_backward.py``); ``apply`` then needs the optimizer.
     """
 
     budget_bytes: int
@@ -205,8 +207,11 @@ class Plan:
     reference: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     loss_head: dict[str, Any] = field(default_factory=dict)
+    optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.optimizer_in_backward, bool):
+            raise ValueError(f"Plan.optimizer_in_backward must be a bool; got {self.optimizer_in_backward!r}")
         head = self.loss_head
         if not isinstance(head, dict) or (head and (set(head) != {"path", "chunk_tokens"}
                                                     or not isinstance(head["path"], str)
@@ -269,6 +274,9 @@ class Plan:
         if reference:
             lines.append(f"no checkpointing would peak at {format_bytes(reference)} "
                          f"({self.predicted_peak_bytes / reference:.0%} of it)")
+        if self.optimizer_in_backward:
+            lines.append("optimizer: its update runs per parameter inside the backward pass (apply(model, plan, "
+                         "optimizer=...))")
         lines.extend(f"{name}: {text}" for name, text in sorted(self.notes.items()))
         return "\n".join(lines)
 
@@ -298,14 +306,16 @@ class Plan:
     def to_json(self) -> str:
         """JSON text (round-trips exactly through :meth:`from_json`)."""
         nested = any(piece.nested for piece, _ in iter_blocks(self.schedule))
-        version = FORMAT_VERSION if self.loss_head or nested else _WITHOUT_LOSS_HEAD_VERSION
+        newer = self.loss_head or nested or self.optimizer_in_backward
+        version = FORMAT_VERSION if newer else _WITHOUT_LOSS_HEAD_VERSION
         payload = {"format": "torchckpt.plan", "version": version, "budget_bytes": self.budget_bytes,
                    "predicted_peak_bytes": self.predicted_peak_bytes,
                    "predicted_extra_time_s": self.predicted_extra_time_s,
                    "schedule": [_piece_to_json(piece) for piece in self.schedule],
                    "block_paths": list(self.block_paths), "fingerprint": self.fingerprint,
                    "reference": self.reference, "notes": self.notes,
-                   **({"loss_head": self.loss_head} if self.loss_head else {})}
+                   **({"loss_head": self.loss_head} if self.loss_head else {}),
+                   **({"optimizer_in_backward": True} if self.optimizer_in_backward else {})}
         return json.dumps(payload, indent=1)
 
     @classmethod
@@ -327,7 +337,8 @@ class Plan:
                        schedule=tuple(_piece_from_json(entry) for entry in payload["schedule"]),
                        block_paths=tuple(payload["block_paths"]), fingerprint=payload["fingerprint"],
                        reference=payload.get("reference", {}), notes=payload.get("notes", {}),
-                       loss_head=payload.get("loss_head", {}))
+                       loss_head=payload.get("loss_head", {}),
+                       optimizer_in_backward=payload.get("optimizer_in_backward", False))
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"not a complete torchckpt plan: missing or malformed field {error}; re-create the "
                              "plan with torchckpt.plan(...)") from None

@@ -59,6 +59,7 @@ How each figure of ``costs.py`` is obtained (the names of that module's rules in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -73,6 +74,7 @@ from torchckpt._units import format_bytes
 from torchckpt.executor import CheckpointHandle, checkpoint_modules
 from torchckpt.executor.compiled import eager_measurement, uncompiled
 from torchckpt.executor.kv_cache import kv_cache_off
+from torchckpt.executor.optimizer_in_backward import optimizer_in_backward as optimizer_in_backward_of
 from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner import solve as solver
 from torchckpt.planner.apply import wrap_region
@@ -121,6 +123,7 @@ def profile(
     step_fn: StepFn | None = None,
     loss_head: bool | str = True,
     pieces: bool = True,
+    optimizer_in_backward: bool = False,
 ) -> ChainCosts:
     """Measure ``model`` on ``example_inputs`` and return its cost model.
 
@@ -146,6 +149,9 @@ def profile(
     step with the LM head computed in chunks of tokens, a plan option (``costs.loss_head``, planner/head.py).
     ``pieces`` (default True) adds one measured step with every block checkpointed and its pieces nested inside
     it (costs.py's [pieces nested inside a block]), a menu option of each block that has pieces.
+    ``optimizer_in_backward=True`` (needs ``optimizer``) measures every step with the optimizer's update run per
+    parameter inside the backward pass (``executor/optimizer_in_backward.py``), so gradients do not all live at
+    once; plans from these costs say so and ``apply`` installs it.
 
     Example:
         >>> from torchckpt.models import gpt
@@ -156,13 +162,23 @@ def profile(
     """
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     check_loss_head_arg(model, loss_head)
+    if not isinstance(optimizer_in_backward, bool):
+        raise TypeError(f"optimizer_in_backward must be True or False; got {optimizer_in_backward!r}")
+    if optimizer_in_backward and optimizer is None:
+        raise ValueError("optimizer_in_backward=True runs the optimizer's update inside the backward pass: pass "
+                         "optimizer=... (the one your loop steps)")
     group = process_group_of(model)  # planner/distributed.py's [a distributed model is planned by all its ranks]
     block_list = resolve_blocks(model, blocks)
     regions_off = sharded_blocks_note(block_list) if regions else "off (profiled with regions=False)"
     runner = StepRunner(model, example_inputs, loss_fn, optimizer, step_fn=step_fn)
+    in_backward = (optimizer_in_backward_of(optimizer) if optimizer_in_backward and optimizer is not None
+                   else contextlib.nullcontext())
     with preserved_state(model, optimizer), kv_cache_off([model], while_="profiling"), paused_gc(), \
-            eager_measurement():
+            eager_measurement(), in_backward:
         runner.clear_grads()  # the user's gradients come back afterwards; they are not part of the step
+        if optimizer_in_backward:  # the optimizer's state is made in a backward pass: not in a measured one
+            runner.forward_backward()
+            runner.clear_grads()
         if group is not None:
             _engine_warm_up(runner, block_list)
         try:
@@ -176,6 +192,8 @@ def profile(
             block_list = [block_list[k] for k in error.ran]
             runner.clear_grads()
             costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head, pieces)
+    if optimizer_in_backward:
+        costs = replace(costs, optimizer_in_backward=True)
     if group is None:
         return costs
     costs = replace(costs, notes={**costs.notes, "engine": str(engine_of(model))})

@@ -79,7 +79,10 @@ class VerifyReport:
         return self.table()
 
 
-def _measured_step(runner: StepRunner, seed: int) -> tuple[int, float, list[tuple[np.ndarray | None, torch.dtype]]]:
+def _measured_step(runner: StepRunner, seed: int, optimizer: torch.optim.Optimizer | None = None,
+                   ) -> tuple[int, float, list[tuple[np.ndarray | None, torch.dtype]]]:
+    """One measured step; its gradients, or, with ``optimizer`` (a plan with the optimizer in the backward pass),
+    the parameters after ``optimizer.step()`` (outside the meter; a no-op where the update already ran)."""
     runner.clear_grads()
     # The caller's RNG streams (CPU and CUDA) are kept as NumPy bytes, which the meter does not count,
     # and come back however the step ends; every measured step draws from the same seed.
@@ -91,7 +94,12 @@ def _measured_step(runner: StepRunner, seed: int) -> tuple[int, float, list[tupl
         with MemoryMeter(device) as meter:  # on CUDA it synchronizes at exit, so the time is the step's
             runner.forward_backward()
         elapsed = time.perf_counter() - start
-    grads = [(None if p.grad is None else host_bytes(p.grad), p.dtype) for p in runner.model.parameters()]
+    grads: list[tuple[np.ndarray | None, torch.dtype]]
+    if optimizer is not None:
+        optimizer.step()
+        grads = [(host_bytes(p.detach()), p.dtype) for p in runner.model.parameters()]
+    else:
+        grads = [(None if p.grad is None else host_bytes(p.grad), p.dtype) for p in runner.model.parameters()]
     runner.clear_grads()
     return meter.peak_bytes, elapsed, grads
 
@@ -120,7 +128,8 @@ loss is exact]): it must be within ``ROUNDING_EPS_FACTOR`` machine epsilons of i
 entry (float32: 3.8e-6; measured 0.4-1.0e-6 in tests/executor/test_loss_head.py)."""
 
 
-def compare_gradients(grads: list, reference: list, rounding: set[int] | frozenset[int] = frozenset()) -> tuple[bool, float, float]:
+def compare_gradients(grads: list, reference: list,
+                      rounding: set[int] | frozenset[int] = frozenset()) -> tuple[bool, float, float]:
     """Bitwise equality of all gradients (those at the indices in ``rounding``: within ROUNDING_EPS_FACTOR
     epsilons, relative), the largest absolute difference of the others (as float64) and the largest relative
     difference of those in ``rounding``."""
@@ -156,7 +165,7 @@ def loss_head_parameters(model: nn.Module, plan: Plan) -> list[tuple[int, str]]:
 
 def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
                 loss_fn: Callable[[Any], torch.Tensor] | None = None, seed: int = 0,
-                step_fn: StepFn | None = None) -> VerifyReport:
+                step_fn: StepFn | None = None, optimizer: torch.optim.Optimizer | None = None) -> VerifyReport:
     """Measure one step with ``plan`` applied and one without, both from the same buffers; compare
     gradients and buffers bitwise. The model's parameters, buffers and gradients are left as they were.
 
@@ -164,7 +173,10 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
     built-in step (``runner.StepRunner``); pass the one the plan was made with. ``loss_fn`` and
     ``step_fn`` together are refused (ValueError). With a chunked loss head (``plan.loss_head``) the head's
     weight (and what shares its storage) is compared to rounding (``ROUNDING_EPS_FACTOR``), every other
-    gradient bitwise; the report names them.
+    gradient bitwise; the report names them. A plan made with the optimizer in the backward pass
+    (``plan.optimizer_in_backward``) needs ``optimizer``: the two steps are then compared by the parameters
+    after the update (``optimizer.step()`` after the plain one; inside the backward pass with the plan), from the
+    same parameters and optimizer state, which come back as they were afterwards.
 
     Example:
         >>> import torchckpt
@@ -179,18 +191,24 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     runner = StepRunner(model, example_inputs, loss_fn, step_fn=step_fn)
     plan.check_fits(model, example_inputs)
+    if plan.optimizer_in_backward and optimizer is None:
+        raise ValueError("this plan runs the optimizer's update inside the backward pass: pass "
+                         "verify_plan(..., optimizer=...) (the optimizer the plan was made with)")
+    updates = optimizer if plan.optimizer_in_backward else None
     # Both steps run with HF KV caches off, as profiling measured them (Note: [KV cache off while checkpointing]);
     # preserved_state: the warm-up and both steps update BatchNorm statistics: undo them.
-    with preserved_state(model), kv_cache_off([model], while_="verify_plan"), paused_gc(), eager_measurement():
-        _measured_step(runner, seed)  # warm-up: first-call costs out of the way
+    with preserved_state(model, updates), kv_cache_off([model], while_="verify_plan"), paused_gc(), \
+            eager_measurement():
+        _measured_step(runner, seed, updates)  # warm-up: first-call costs (and the optimizer's state) out of the way
         start = _buffer_bytes(model)
-        plain_peak, plain_time, plain_grads = _measured_step(runner, seed)
-        plain_buffers = _buffer_bytes(model)
+        with preserved_state(model, updates):  # parameters and optimizer state back before the planned step
+            plain_peak, plain_time, plain_grads = _measured_step(runner, seed, updates)
+            plain_buffers = _buffer_bytes(model)
         _put_back_buffers(model, start)  # the planned step starts from the same buffers
         # Every region's recomputation is checked op by op here, also those that keep nothing
         # (checkpoint.py's [a region that keeps nothing runs on torch's checkpoint alone]); the step time includes it.
-        with apply_plan(model, plan), recompute_checks():
-            peak, step_time, grads = _measured_step(runner, seed)
+        with preserved_state(model, updates), apply_plan(model, plan, updates), recompute_checks():
+            peak, step_time, grads = _measured_step(runner, seed, updates)
         differing = _first_difference(_buffer_bytes(model), plain_buffers)
     head_params = loss_head_parameters(model, plan)
     equal, difference, relative = compare_gradients(grads, plain_grads, {index for index, _ in head_params})

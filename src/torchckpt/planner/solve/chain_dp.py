@@ -202,7 +202,8 @@ def _byte_gcd(chain: Chain) -> int:
     values = [costs.head_bytes, costs.region_recompute_bytes, costs.blocks[-1].output_bytes]
     for block, menu in zip(costs.blocks, chain.menus):
         values += [block.input_bytes, block.saved_bytes, block.forward_peak_bytes, block.backward_peak_bytes,
-                   block.recompute_peak_bytes, block.freed_side_input_bytes, max(0, block.nested_recompute_peak_bytes), block.nested_held_bytes]
+                   block.recompute_peak_bytes, block.freed_side_input_bytes,
+                   max(0, block.nested_recompute_peak_bytes), block.nested_held_bytes]
         values += [option.held_bytes for option in menu]
     return math.gcd(*values) or 1
 

@@ -13,7 +13,8 @@ Menu rules:
    ``held_bytes = saved_bytes``, no recompute); the last option keeps nothing (``kept_ops == ()``,
    recomputes the whole forward). Both are always present.
 2. **[only undominated options]** In between (and, just before keep-nothing, keep-nothing with the block's
-   pieces nested when it was measured to peak lower: costs.py's [pieces nested inside a block]): checkpoint options holding less than ``saved_bytes``
+   pieces nested when it was measured to peak lower: costs.py's [pieces nested inside a block]): checkpoint
+   options holding less than ``saved_bytes``
    (anything holding as much is dominated by plain), not dominated by another option, by held bytes
    descending.
 3. **[at most 16 options]** At most ``MENU_MAX_OPTIONS`` (16) options: beyond that the in-between points
