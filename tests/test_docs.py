@@ -68,6 +68,6 @@ def test_planner_md_loss_head_example_runs_as_written(tmp_path: Path, monkeypatc
     namespace: dict = {}
     exec(compile(block, str(DOCS / "planner.md"), "exec"), namespace)  # noqa: S102 - our own docs
     plan = namespace["plan"]
-    assert plan.loss_head == {"path": "lm_head", "chunk_tokens": 64}
+    assert plan.loss_head == {"path": "lm_head", "chunk_tokens": 256}
     report = namespace["torchckpt"].verify_plan(namespace["model"], plan, namespace["batch"])
     assert report.within_budget and report.gradients_equal and report.rounding_only == ("lm_head.weight",)

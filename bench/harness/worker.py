@@ -178,7 +178,7 @@ def make_plans(model_name: str, peer_budgets: dict[str, int], sweep_points: int,
     """
     from torchckpt.planner import fingerprint, no_checkpointing_schedule, plan_from_costs, profile
     from torchckpt.planner import solve as solver
-    from torchckpt.planner.from_costs import resolve_margin
+    from torchckpt.planner.from_costs import floor_over_options, lower_bound_over_options, resolve_margin
 
     entry = get_model(model_name)
     model, inputs = entry.build()
@@ -188,7 +188,7 @@ def make_plans(model_name: str, peer_budgets: dict[str, int], sweep_points: int,
     start = time.perf_counter()
     costs = profile(model, inputs, optimizer=optimizer, blocks=blocks)
     profile_s = time.perf_counter() - start
-    floor = int(solver.floor_bytes(costs))
+    floor = int(floor_over_options(costs, allow_regions=True, margin_bytes=costs.margin_bytes))
     plain, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
     model_print = fingerprint(model, inputs, paths)
     budgets = dict(peer_budgets)
@@ -209,7 +209,7 @@ def make_plans(model_name: str, peer_budgets: dict[str, int], sweep_points: int,
             margin = resolve_margin("auto", costs, int(budget))
             item.update(plan_path=str(path), predicted_peak_bytes=made.predicted_peak_bytes,
                         predicted_extra_time_s=made.predicted_extra_time_s,
-                        lower_bound_s=solver.recompute_lower_bound(costs, int(budget), margin_bytes=margin),
+                        lower_bound_s=lower_bound_over_options(costs, int(budget), margin_bytes=margin),
                         schedule=json.loads(made.to_json())["schedule"], table=made.table())
         item["solve_s"] = time.perf_counter() - start
         plans.append(item)

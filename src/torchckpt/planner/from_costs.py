@@ -18,6 +18,7 @@ from torchckpt.planner.infeasible import with_paths
 from torchckpt.planner.plan import Plan, PlannedBlock, PlannedRegion, PlanPiece
 
 __all__ = ["ChainCosts", "check_margin_form", "floor_over_options", "head_options", "loss_head_note",
+           "lower_bound_over_options",
            "no_checkpointing_schedule",
            "plan_from_costs", "plan_pieces", "regions_note", "resolve_budget", "resolve_margin", "with_head_note"]
 
@@ -265,6 +266,25 @@ def floor_over_options(costs: CostModel, *, allow_regions: bool, margin_bytes: i
     """
     return min(solver.floor_bytes(option, allow_regions=allow_regions, margin_bytes=margin_bytes)
                for option, _ in head_options(costs))
+
+
+def lower_bound_over_options(costs: CostModel, budget_bytes: int, *, margin_bytes: int = 0,
+                             regions: bool = True) -> float | None:
+    """``solve.recompute_lower_bound`` over ``head_options`` (the chunked head's extra time added): a lower bound
+    on the extra time of any plan ``plan_from_costs`` can make for ``budget_bytes``; None where none fits.
+
+    Example:
+        >>> from torchckpt.planner.costs import BlockCosts
+        >>> block = BlockCosts(name="b", input_bytes=10, output_bytes=10, saved_bytes=30, forward_time_s=0.1)
+        >>> lower_bound_over_options(ChainCosts(fixed_bytes=100, head_bytes=0, blocks=(block, block)), 170)
+        0.05
+    """
+    bounds = []
+    for option, head in head_options(costs):
+        bound = solver.recompute_lower_bound(option, budget_bytes, margin_bytes=margin_bytes, regions=regions)
+        if bound is not None:
+            bounds.append(bound + (float(costs.loss_head["extra_time_s"]) if head else 0.0))
+    return min(bounds) if bounds else None
 
 
 def loss_head_note(costs: CostModel, *, chosen: bool) -> str:

@@ -7,30 +7,30 @@ with it chunked proves it: the loop's loss was computed in chunks exactly once a
 whole (the loop's accuracy, a softcap, logging). Otherwise the costs say why (``loss_head["note"]``) and no
 plan chunks it.
 
-**[the chunked head is measured]** That step runs with every block checkpointed (keeping nothing) and the
-head chunked, under the meter. ``loss_head["head_bytes"]`` is its peak between the last block's forward and
-the first block's backward above ``fixed`` and what the checkpointed blocks hold (costs.py's [forward-end
-peak]), or, if larger, the plain ``head_bytes`` less what chunking saved against the profile's own step with
-every block checkpointed. ``loss_head["extra_time_s"]`` is what the chunked backward pass adds: the head's
-logits and log-softmax once more, timed bare on a tensor of the head input's shape (the least of three).
+**[the chunked head is measured]** That step runs with every block checkpointed (keeping nothing; their pieces
+nested too when the profile measures those, in the same step) and the head chunked, under the meter.
+``loss_head["head_bytes"]`` is its peak between the last block's forward and the first block's backward above
+``fixed`` and what the checkpointed blocks hold (costs.py's [forward-end peak]), or, if larger, the plain
+``head_bytes`` less what chunking saved against the profile's own step with every block checkpointed.
+``loss_head["extra_time_s"]`` is what the chunked backward pass adds: the head's logits and log-softmax once
+more, timed bare on a tensor of the head input's shape (the least of three).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchckpt.executor import checkpoint_modules
 from torchckpt.executor.loss_head import ChunkedHeadHandle, default_chunk_tokens
-from torchckpt.planner.probe import Probe, measure_step
-from torchckpt.planner.runner import StepRunner
+from torchckpt.planner.probe import Probe
 
-__all__ = ["check_loss_head_arg", "find_loss_head", "measure_loss_head"]
+__all__ = ["check_loss_head_arg", "chunked_for_profiling", "find_loss_head", "loss_head_entry"]
 
 
 def check_loss_head_arg(model: nn.Module, loss_head: object) -> None:
@@ -90,17 +90,18 @@ def find_loss_head(model: nn.Module, blocks: Sequence[nn.Module]) -> tuple[str |
     return path, f"candidate: {path} (Linear {chosen.in_features} -> {chosen.out_features})"
 
 
-def measure_loss_head(runner: StepRunner, block_list: list[nn.Module], path: str, *, held_checkpointed: int,
-                      plain_head: int, every_block: Probe) -> dict[str, Any]:
-    """One measured step with every block checkpointed and the head at ``path`` chunked; returns the
-    ``CostModel.loss_head`` entry (module docstring's [the chunked head is measured]), or ``{"note": why}``
-    when the step does not prove the head (its loss was not computed in chunks, or the logits were read).
+@contextlib.contextmanager
+def chunked_for_profiling(head: nn.Module) -> Iterator[tuple[ChunkedHeadHandle, list[torch.Size]]]:
+    """While the block runs, ``head`` (an ``nn.Linear`` without an instance-level forward) computes its loss in
+    chunks; yields its handle and the shapes of the inputs it was called with.
 
-    ``held_checkpointed`` is what the checkpointed blocks hold (cost model bytes); ``plain_head`` its
-    ``head_bytes``; ``every_block`` the profile's step with every block checkpointed.
+    Example:
+        >>> head = nn.Linear(4, 32)
+        >>> with chunked_for_profiling(head) as (handle, shapes):
+        ...     _ = F.cross_entropy(head(torch.randn(3, 4)), torch.tensor([1, 2, 3]))
+        >>> handle.chunked_losses, shapes, "forward" in vars(head)
+        (1, [torch.Size([3, 4])], False)
     """
-    head = runner.model.get_submodule(path)
-    assert isinstance(head, nn.Linear)
     handle = ChunkedHeadHandle(head=head, chunk_tokens=None)
     shapes: list[torch.Size] = []
     forward = handle.forward
@@ -110,16 +111,22 @@ def measure_loss_head(runner: StepRunner, block_list: list[nn.Module], path: str
             shapes.append(hidden.shape)
         return forward(hidden)
 
-    if "forward" in vars(head):
-        return {"note": f"no: {path} already has an instance-level forward (wrapped by something else)"}
-    head.forward = recording  # type: ignore[method-assign, assignment]
+    head.forward = recording
     try:
-        runner.clear_grads()
-        with checkpoint_modules(block_list, policy="nothing_saveable"):
-            probe = measure_step(runner, block_list, record_ops=False)
+        yield handle, shapes
     finally:
         del head.forward
-        runner.clear_grads()
+
+
+def loss_head_entry(path: str, head: nn.Linear, handle: ChunkedHeadHandle, shapes: list[torch.Size], probe: Probe, *,
+                    held_checkpointed: int, plain_head: int, every_block: Probe) -> dict[str, Any]:
+    """The ``CostModel.loss_head`` entry from a measured step with every block checkpointed and the head chunked
+    (module docstring's [the chunked head is measured]), or ``{"note": why}`` when the step does not prove the
+    head (its loss was not computed in chunks, or the logits were read).
+
+    ``held_checkpointed`` is what the checkpointed blocks held in that step (cost model bytes); ``plain_head``
+    the cost model's ``head_bytes``; ``every_block`` the profile's step with every block checkpointed.
+    """
     if handle.materialized:
         readers = ", ".join(sorted(set(handle.materialized)))
         return {"note": f"no: the step read the logits of {path} whole ({readers}), "

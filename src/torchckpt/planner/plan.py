@@ -68,8 +68,10 @@ class PlannedBlock:
 
     def __post_init__(self) -> None:
         check_index("PlannedBlock.block", self.block)
-        if not isinstance(self.plain, bool) or not isinstance(self.nested, bool):
-            raise ValueError(f"PlannedBlock.plain and .nested must be bools; got {self.plain!r}, {self.nested!r}")
+        if not isinstance(self.plain, bool):
+            raise ValueError(f"PlannedBlock.plain must be a bool; got {self.plain!r}")
+        if not isinstance(self.nested, bool):
+            raise ValueError(f"PlannedBlock.nested must be a bool; got {self.nested!r}")
         if self.nested and (self.plain or tuple(self.keep)):
             raise ValueError(f"PlannedBlock(block={self.block}) nests its pieces: it must be checkpointed keeping "
                              "nothing (plain=False, no keep)")

@@ -89,7 +89,7 @@ from torchckpt.planner.distributed import (
     sharded_blocks_note,
 )
 from torchckpt.planner.from_costs import ChainCosts
-from torchckpt.planner.head import check_loss_head_arg, find_loss_head, measure_loss_head
+from torchckpt.planner.head import check_loss_head_arg, chunked_for_profiling, find_loss_head, loss_head_entry
 from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
 from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step
 from torchckpt.planner.runner import StepFn, StepRunner
@@ -254,35 +254,66 @@ def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Ca
     elif costs.chain and len(block_list) > 1:
         say("profiling step 5: a region of two blocks")
         costs = replace(costs, region_recompute_bytes=_region_residue(runner, block_list, costs))
-    if pieces and group is None and any(block_pieces(block) for block in block_list):
-        say("profiling step 6: every block recomputed with its pieces (attention, MLP, ...) nested inside")
-        costs = _nested_pieces(runner, block_list, costs, recomputed)
-    elif pieces and group is not None:
-        costs = replace(costs, notes={**costs.notes, "pieces": "no: not planned under DDP or FSDP2 yet"})
-    return replace(costs, loss_head=_loss_head(runner, block_list, costs, recomputed, say, group, loss_head))
+    return _option_step(runner, block_list, costs, recomputed, say, group, loss_head, pieces)
 
 
-def _nested_pieces(runner: StepRunner, block_list: list[nn.Module], costs: ChainCosts,
-                   recomputed: Probe) -> ChainCosts:
-    """costs.py's [pieces nested inside a block]: one measured step with every block checkpointed keeping nothing
-    and its pieces (``blocks.block_pieces``) checkpointed inside it; each block's backward peak there, less what
+def _option_step(runner: StepRunner, block_list: list[nn.Module], costs: ChainCosts, recomputed: Probe,
+                 say: Callable[[str], None], group: Any, loss_head: bool | str, pieces: bool) -> ChainCosts:
+    """One measured step for the plan options below every block, each where it applies: every block checkpointed
+    with its pieces nested (costs.py's [pieces nested inside a block]) and the loss head in chunks (planner/head.py);
+    one step for both, as neither changes what the other measures beyond what is accounted (the pieces' extra
+    held bytes count as held at the head). A step that fails with the pieces nested is run again without them."""
+    children = [piece for block in block_list for piece in block_pieces(block)] if pieces and group is None else []
+    notes = dict(costs.notes)
+    if pieces and group is not None:
+        notes["pieces"] = "no: not planned under DDP or FSDP2 yet"
+    path, head_note = _loss_head_path(runner, costs, group, loss_head)
+    head = runner.model.get_submodule(path) if path is not None else None
+    if head is not None and "forward" in vars(head):
+        path, head, head_note = None, None, f"no: {path} already has an instance-level forward (wrapped by another)"
+    if not children and head is None:
+        return replace(costs, notes=notes, loss_head={"note": head_note} if head_note else {})
+    what = " and ".join(part for part, on in (("every block's pieces nested", children),
+                                             (f"the loss head ({path}) in chunks", head is not None)) if on)
+    say(f"profiling step 6: every block recomputed, with {what}")
+    while True:
+        runner.clear_grads()
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(checkpoint_modules(block_list, policy="nothing_saveable"))
+                if children:
+                    stack.enter_context(checkpoint_modules(children, policy="nothing_saveable"))
+                chunked = stack.enter_context(chunked_for_profiling(head)) if head is not None else None
+                probe = measure_step(runner, block_list, record_ops=False)
+            break
+        except Exception as error:  # noqa: BLE001 - the optional pieces only lose their option
+            runner.clear_grads()
+            if not children:
+                raise
+            notes["pieces"] = f"no: the step with pieces nested failed ({type(error).__name__}: {str(error)[:200]})"
+            _log.info("torchckpt: %s", notes["pieces"])
+            children = []
+            if head is None:
+                return replace(costs, notes=notes, loss_head={"note": head_note} if head_note else {})
+    runner.clear_grads()
+    if children:
+        costs = _nested_pieces(block_list, costs, recomputed, probe)
+    entry: dict[str, Any] = {"note": head_note} if head_note else {}
+    if isinstance(head, nn.Linear) and chunked is not None and path is not None:
+        held = sum(b.input_bytes + b.freed_side_input_bytes + (b.nested_held_bytes if children else 0)
+                   for b in costs.blocks)
+        entry = loss_head_entry(path, head, *chunked, probe, held_checkpointed=held, plain_head=costs.head_bytes,
+                                every_block=recomputed)
+    return replace(costs, notes=notes, loss_head=entry)
+
+
+def _nested_pieces(block_list: list[nn.Module], costs: ChainCosts, recomputed: Probe, probe: Probe) -> ChainCosts:
+    """costs.py's [pieces nested inside a block] from ``probe``, a step with every block checkpointed keeping nothing
+    and its pieces (``blocks.block_pieces``) checkpointed inside it: each block's backward peak there, less what
     [backward peak] counts besides the block's own activations and transients (``C + H``, what the checkpoint
     holds, the incoming gradient), is its ``nested_recompute_peak_bytes``; what a block's forward pass leaves behind
     beyond what it leaves with every block checkpointed plainly (``recomputed``, the profile's first step) is its
-    ``nested_held_bytes``. A step that fails (a piece that cannot be checkpointed) leaves the option out,
-    with the reason in ``notes["pieces"]``."""
-    children = [piece for block in block_list for piece in block_pieces(block)]
-    runner.clear_grads()
-    try:
-        with checkpoint_modules(block_list, policy="nothing_saveable"), \
-                checkpoint_modules(children, policy="nothing_saveable"):
-            probe = measure_step(runner, block_list, record_ops=False)
-    except Exception as error:  # noqa: BLE001 - any failure of the optional step only removes the option
-        runner.clear_grads()
-        note = f"no: the step with pieces nested failed ({type(error).__name__}: {str(error)[:200]})"
-        _log.info("torchckpt: %s", note)
-        return replace(costs, notes={**costs.notes, "pieces": note})
-    runner.clear_grads()
+    ``nested_held_bytes``."""
     fixed = probe.traces[0].before_forward - probe.traces[0].input_bytes
     blocks, n = costs.blocks, len(costs.blocks)
     last_output = blocks[-1].output_bytes
@@ -301,28 +332,23 @@ def _nested_pieces(runner: StepRunner, block_list: list[nn.Module], costs: Chain
     return replace(costs, blocks=tuple(updated))
 
 
-def _loss_head(runner: StepRunner, block_list: list[nn.Module], costs: ChainCosts, recomputed: Probe,
-               say: Callable[[str], None], group: Any, loss_head: bool | str) -> dict[str, Any]:
-    """``costs.loss_head``: the LM head found and measured in chunks (planner/head.py), or why not."""
+def _loss_head_path(runner: StepRunner, costs: ChainCosts, group: Any,
+                    loss_head: bool | str) -> tuple[str | None, str]:
+    """The LM head to measure in chunks (planner/head.py), or None and why not."""
     if loss_head is False:
-        return {"note": "off (profiled with loss_head=False)"}
+        return None, "off (profiled with loss_head=False)"
     if group is not None:
-        return {"note": "no: not planned under DDP or FSDP2 yet (the head's weight may be sharded)"}
+        return None, "no: not planned under DDP or FSDP2 yet (the head's weight may be sharded)"
     if isinstance(loss_head, str):  # checked by check_loss_head_arg before profiling
-        path: str | None = loss_head
-    else:
-        path, note = find_loss_head(runner.model, block_list)
-        if path is None:
-            return {"note": note}
-    assert path is not None
-    if loss_head is True and costs.head_bytes < HEAD_WORTH_CHUNKING * costs.every_block_peak_bytes:
-        return {"note": f"no: the head ({path}) needs {format_bytes(costs.head_bytes)} at the end of the forward pass, "
-                        f"under {HEAD_WORTH_CHUNKING:.0%} of every block's peak, so computing it in chunks would "
-                        "hardly lower the floor (loss_head='<path>' measures it anyway)"}
-    say(f"profiling step 7: the loss head ({path}) in chunks of tokens")
-    held = sum(block.input_bytes + block.freed_side_input_bytes for block in costs.blocks)
-    return measure_loss_head(runner, block_list, path, held_checkpointed=held, plain_head=costs.head_bytes,
-                             every_block=recomputed)
+        return loss_head, ""
+    path, note = find_loss_head(runner.model, [runner.model.get_submodule(p) for p in costs.block_paths])
+    if path is None:
+        return None, note
+    if costs.head_bytes < HEAD_WORTH_CHUNKING * costs.every_block_peak_bytes:
+        return None, (f"no: the head ({path}) needs {format_bytes(costs.head_bytes)} at the end of the forward pass, "
+                      f"under {HEAD_WORTH_CHUNKING:.0%} of every block's peak, so computing it in chunks would "
+                      "hardly lower the floor (loss_head='<path>' measures it anyway)")
+    return path, ""
 
 
 def _timed_step(runner: StepRunner) -> float:

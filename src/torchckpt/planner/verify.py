@@ -209,7 +209,7 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
         # (checkpoint.py's [a region that keeps nothing runs on torch's checkpoint alone]); the step time includes it.
         with preserved_state(model, updates), apply_plan(model, plan, updates), recompute_checks():
             peak, step_time, grads = _measured_step(runner, seed, updates)
-        differing = _first_difference(_buffer_bytes(model), plain_buffers)
+            differing = _first_difference(_buffer_bytes(model), plain_buffers)
     head_params = loss_head_parameters(model, plan)
     equal, difference, relative = compare_gradients(grads, plain_grads, {index for index, _ in head_params})
     return VerifyReport(rounding_only=tuple(name for _, name in head_params), rounding_relative_difference=relative,

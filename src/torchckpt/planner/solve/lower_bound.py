@@ -120,7 +120,7 @@ def _required_bytes(chain: Chain, budget_bytes: int) -> list[tuple[int, int]]:
     required = [(n, costs.fixed_bytes + costs.head_bytes + sum(held_plain) - budget_bytes)]
     before = 0
     for j, menu in enumerate(chain.menus):
-        need = min(chain.single_need_bytes(j, option, 0) for option in (menu[0], menu[-1]))
+        need = min(chain.single_need_bytes(j, option, 0) for option in menu)  # nested pieces can need less
         required.append((j, chain.top_context_bytes + before + need - budget_bytes))
         before += held_plain[j]
     return required

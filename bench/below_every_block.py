@@ -1,0 +1,181 @@
+"""Below every block: how far each new plan option lowers the floor, plans there, and the time won back at its peak.
+
+For each model (default: decoders with real vocabularies, the regime's gpt-small, HF Llama, and a CNN), profiled
+once without an optimizer (plain SGD: no state):
+
+- the floor (the least budget any plan fits) with the options of before (regions, selective ops), then with the
+  pieces of a block nested, with the loss head in chunks, and with both, each as a share of every block's
+  measured peak (``gradient_checkpointing_enable()``'s);
+- the plan at the floor with every option, and one step with it measured (``verify_plan``): peak, prediction
+  error, gradients;
+- at every block's measured peak: bare training steps, interleaved and timed (median of ``--repeats``):
+  no checkpointing, every block checkpointed, and torchckpt's plan for that budget; the share of every block's
+  recompute cost won back, (t_every_block - t_plan) / (t_every_block - t_no_checkpointing);
+- with AdamW, profiled twice more (without and with the optimizer inside the backward pass): both floors.
+
+    MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python bench/below_every_block.py [--models NAMES] [--repeats 3]
+
+Results: bench/results/below_every_block.json and .md, with the commit they ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import torchckpt
+from harness.provenance import run_record, write_results
+from torchckpt._units import format_bytes
+from torchckpt.executor import checkpoint_modules
+from torchckpt.models.registry import MODELS as REGISTRY
+from torchckpt.models.registry import load_model
+from torchckpt.planner.from_costs import floor_over_options
+from torchckpt.planner.runner import StepRunner
+
+MODELS = ("hf-llama-32k-4x512", "hf-gpt2-50k-4x512", "gpt-small-8x512", "hf-llama-8x256", "unet-small-b8")
+
+
+def _floor(costs: Any) -> int:
+    return floor_over_options(costs, allow_regions=True, margin_bytes=costs.margin_bytes)
+
+
+def _without(costs: Any, *, head: bool, pieces: bool) -> Any:
+    """``costs`` with the loss head option and/or the nested pieces taken out."""
+    if not head:
+        costs = replace(costs, loss_head={})
+    if not pieces:
+        costs = replace(costs, blocks=tuple(replace(b, nested_recompute_peak_bytes=-1) for b in costs.blocks))
+    return costs
+
+
+def _timed(runner: StepRunner, repeats: int, setups: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Bare forward+backward steps, interleaved across ``setups`` (name -> context factory); median, min, max."""
+    times: dict[str, list[float]] = {name: [] for name in setups}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, setup in setups.items():
+            runner.clear_grads()
+            with setup():
+                start = time.perf_counter()
+                runner.forward_backward()
+                times[name].append(time.perf_counter() - start)
+            runner.clear_grads()
+    return {name: {"median_s": statistics.median(values[1:]), "min_s": min(values[1:]), "max_s": max(values[1:])}
+            for name, values in times.items()}
+
+
+def measure(name: str, repeats: int) -> dict[str, Any]:
+    """Profile one registry model and measure what the module docstring lists."""
+    torch.manual_seed(0)
+    model, inputs = load_model(name)
+    start = time.perf_counter()
+    costs = torchckpt.profile(model, inputs)
+    profile_s = time.perf_counter() - start
+    every = costs.every_block_peak_bytes
+    floors = {label: _floor(_without(costs, head=head, pieces=pieces)) for label, head, pieces in (
+        ("before", False, False), ("pieces nested", False, True), ("loss head in chunks", True, False),
+        ("both", True, True))}
+    record: dict[str, Any] = {"model": name, "description": REGISTRY[name].description, "profile_s": profile_s,
+                              "plain_step_s": costs.step_time_s, "every_block_peak_bytes": every,
+                              "plain_head_bytes": costs.head_bytes, "loss_head": costs.loss_head,
+                              "floors": floors, "floor_share": {k: v / every for k, v in floors.items()}}
+    plan = costs.plan(floors["both"])
+    report = torchckpt.verify_plan(model, plan, inputs)
+    record["at_floor"] = {"budget_bytes": plan.budget_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
+                          "measured_peak_bytes": report.measured_peak_bytes, "within_budget": report.within_budget,
+                          "prediction_error": report.prediction_error, "gradients_equal": report.gradients_equal,
+                          "rounding_only": list(report.rounding_only),
+                          "rounding_relative_difference": report.rounding_relative_difference,
+                          "loss_head": plan.loss_head,
+                          "nested_blocks": sum(1 for row in plan.decisions() if "nested" in row["decision"])}
+    at_every = costs.plan(every)
+    runner = StepRunner(model, inputs)
+    blocks = [model.get_submodule(path) for path in costs.block_paths]
+    times = _timed(runner, repeats, {
+        "no checkpointing": lambda: torch.enable_grad(),
+        "every block": lambda: checkpoint_modules(blocks, policy="nothing_saveable"),
+        "torchckpt": lambda: torchckpt.apply(model, at_every)})
+    t_none, t_every, t_plan = (times[k]["median_s"] for k in ("no checkpointing", "every block", "torchckpt"))
+    record["at_every_block_peak"] = {"times": times, "plan_predicted_extra_s": at_every.predicted_extra_time_s,
+                                     "won_back": (t_every - t_plan) / (t_every - t_none) if t_every > t_none else None}
+    optimizer = torch.optim.AdamW(model.parameters())
+    adamw = torchckpt.profile(model, inputs, optimizer=optimizer)
+    inside = torchckpt.profile(model, inputs, optimizer=optimizer, optimizer_in_backward=True)
+    record["adamw"] = {"every_block_peak_bytes": adamw.every_block_peak_bytes, "floor_bytes": _floor(adamw),
+                       "floor_in_backward_bytes": _floor(inside)}
+    return record
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The results as a Markdown report."""
+    lines = ["# Below every block", "",
+             f"Commit {results['commit']}; {results['machine']}, {results['cpu_count']} CPUs, 1 torch thread. "
+             "Command: `MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python bench/below_every_block.py`. Peaks are exact "
+             "live tensor bytes (MemoryMeter); floors are the least budget some plan fits (predicted, margin "
+             "included); without an optimizer unless the column says AdamW.", "",
+             "## Floors, as a share of every block's measured peak", "",
+             "| model | every block | before | pieces nested | loss head in chunks | both | AdamW: every block | "
+             "AdamW floor | AdamW, optimizer in backward |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results["models"]:
+        share = r["floor_share"]
+        a = r["adamw"]
+        lines.append(f"| {r['model']} | {format_bytes(r['every_block_peak_bytes'])} | "
+                     + " | ".join(f"{format_bytes(r['floors'][k])} ({share[k]:.2f}x)" for k in
+                                  ("before", "pieces nested", "loss head in chunks", "both"))
+                     + f" | {format_bytes(a['every_block_peak_bytes'])} | {format_bytes(a['floor_bytes'])} "
+                     f"({a['floor_bytes'] / a['every_block_peak_bytes']:.2f}x) | "
+                     f"{format_bytes(a['floor_in_backward_bytes'])} "
+                     f"({a['floor_in_backward_bytes'] / a['every_block_peak_bytes']:.2f}x) |")
+    lines += ["", "## The plan at the floor, measured", "",
+              "| model | budget | predicted | measured | within | error | head | nested blocks | gradients |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in results["models"]:
+        f = r["at_floor"]
+        grads = "bitwise" if f["gradients_equal"] else "DIFFER"
+        if f["rounding_only"]:
+            grads += f" but {', '.join(f['rounding_only'])} (to rounding, {f['rounding_relative_difference']:.1g})"
+        head = f"chunks of {f['loss_head']['chunk_tokens']}" if f["loss_head"] else "whole"
+        lines.append(f"| {r['model']} | {format_bytes(f['budget_bytes'])} | "
+                     f"{format_bytes(f['predicted_peak_bytes'])} | {format_bytes(f['measured_peak_bytes'])} | "
+                     f"{'yes' if f['within_budget'] else '**NO**'} | "
+                     f"{f['prediction_error']:+.2%} | {head} | {f['nested_blocks']} | {grads} |")
+    lines += ["", f"## At every block's measured peak: bare steps, median of {results['repeats']} "
+              "(min-max), interleaved", "",
+              "| model | no checkpointing | every block | torchckpt | share of every block's recompute cost won back |",
+              "|---|---|---|---|---|"]
+    for r in results["models"]:
+        t = r["at_every_block_peak"]["times"]
+        cells = [f"{t[k]['median_s']:.3f} s ({t[k]['min_s']:.3f}-{t[k]['max_s']:.3f})"
+                 for k in ("no checkpointing", "every block", "torchckpt")]
+        won = r["at_every_block_peak"]["won_back"]
+        lines.append(f"| {r['model']} | " + " | ".join(cells) + f" | {'n/a' if won is None else f'{won:.0%}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the models; write bench/results/below_every_block.{json,md}."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    torch.set_num_threads(1)
+    results = run_record(Path(__file__).parent, repeats=args.repeats,
+                         models=[measure(name, args.repeats) for name in args.models.split(",")])
+    write_results(results, args.out_dir, "below_every_block.json")
+    text = markdown(results)
+    (Path(args.out_dir) / "below_every_block.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""bench/below_every_block.py on a tiny decoder, into tmp_path: floors per option, a verified plan at the floor,
+interleaved timings at every block's peak, and AdamW floors with and without the optimizer in backward."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "below_every_block.py"
+
+
+def test_writes_floors_a_verified_plan_and_timings(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("bench_below_every_block", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--models", "hf-llama-tiny", "--repeats", "1", "--out-dir", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "below_every_block.json").read_text())
+    assert len(results["commit"]) == 40 or results["commit"] == "unknown"
+    (model,) = results["models"]
+    floors = model["floors"]
+    assert floors["both"] <= min(floors["pieces nested"], floors["loss head in chunks"]) <= floors["before"]
+    assert floors["before"] <= model["every_block_peak_bytes"]
+    at_floor = model["at_floor"]
+    assert at_floor["within_budget"] and at_floor["gradients_equal"] and abs(at_floor["prediction_error"]) <= 0.01
+    times = model["at_every_block_peak"]["times"]
+    assert set(times) == {"no checkpointing", "every block", "torchckpt"}
+    assert all(t["median_s"] > 0 for t in times.values())
+    assert model["adamw"]["floor_in_backward_bytes"] > 0
+    assert (tmp_path / "below_every_block.md").read_text().startswith("# Below every block")
+    assert "hf-llama-tiny" in capsys.readouterr().out
