@@ -70,7 +70,6 @@ import torch
 from torch import nn
 
 from torchckpt._host import paused_gc, preserved_state
-from torchckpt._units import format_bytes
 from torchckpt.executor import CheckpointHandle, checkpoint_modules
 from torchckpt.executor.compiled import eager_measurement, uncompiled
 from torchckpt.executor.kv_cache import kv_cache_off
@@ -78,7 +77,7 @@ from torchckpt.executor.optimizer_in_backward import optimizer_in_backward as op
 from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner import solve as solver
 from torchckpt.planner.apply import wrap_region
-from torchckpt.planner.blocks import block_paths, block_pieces, resolve_blocks
+from torchckpt.planner.blocks import block_paths, resolve_blocks
 from torchckpt.planner.costs import BlockCosts, OpCosts
 from torchckpt.planner.distributed import (
     agree_costs,
@@ -89,7 +88,8 @@ from torchckpt.planner.distributed import (
     sharded_blocks_note,
 )
 from torchckpt.planner.from_costs import ChainCosts
-from torchckpt.planner.head import check_loss_head_arg, chunked_for_profiling, find_loss_head, loss_head_entry
+from torchckpt.planner.head import check_loss_head_arg
+from torchckpt.planner.options_step import measure_options
 from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
 from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step
 from torchckpt.planner.runner import StepFn, StepRunner
@@ -104,10 +104,6 @@ tensors that live in one step and not another move a measured peak by a few hund
 selective plans on HF Llama measured up to 64 KiB above their prediction (2 hidden states of that
 test model). The two measured schedules (no checkpointing, every block checkpointed) keep none:
 ``fixed_bytes`` is the measured figure, without headroom."""
-
-HEAD_WORTH_CHUNKING = 0.1
-"""``loss_head=True`` measures the head in chunks (one more profiling step) only where the plain head needs at
-least this share of every block's measured peak at the end of the forward pass."""
 
 DISTRIBUTED_WARM_UP_STEPS = 2
 _log = logging.getLogger("torchckpt")
@@ -127,7 +123,8 @@ def profile(
 ) -> ChainCosts:
     """Measure ``model`` on ``example_inputs`` and return its cost model.
 
-    Runs at most five training steps (eight under DDP or FSDP2, three of them a warm-up): under the meter,
+    Runs at most six training steps (eight under DDP or FSDP2, three of them a warm-up; seven with
+    ``optimizer_in_backward``): under the meter,
     every block checkpointed (keep nothing), which also warms up (with ``optimizer`` it is followed by a real
     optimizer step, so its state exists as it will in training), and a plain step with the op recorder; then,
     bare (no meter, no hooks), a plain step and one with every block checkpointed, timed (``step_time_s``,
@@ -254,101 +251,7 @@ def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Ca
     elif costs.chain and len(block_list) > 1:
         say("profiling step 5: a region of two blocks")
         costs = replace(costs, region_recompute_bytes=_region_residue(runner, block_list, costs))
-    return _option_step(runner, block_list, costs, recomputed, say, group, loss_head, pieces)
-
-
-def _option_step(runner: StepRunner, block_list: list[nn.Module], costs: ChainCosts, recomputed: Probe,
-                 say: Callable[[str], None], group: Any, loss_head: bool | str, pieces: bool) -> ChainCosts:
-    """One measured step for the plan options below every block, each where it applies: every block checkpointed
-    with its pieces nested (costs.py's [pieces nested inside a block]) and the loss head in chunks (planner/head.py);
-    one step for both, as neither changes what the other measures beyond what is accounted (the pieces' extra
-    held bytes count as held at the head). A step that fails with the pieces nested is run again without them."""
-    children = [piece for block in block_list for piece in block_pieces(block)] if pieces and group is None else []
-    notes = dict(costs.notes)
-    if pieces and group is not None:
-        notes["pieces"] = "no: not planned under DDP or FSDP2 yet"
-    path, head_note = _loss_head_path(runner, costs, group, loss_head)
-    head = runner.model.get_submodule(path) if path is not None else None
-    if head is not None and "forward" in vars(head):
-        path, head, head_note = None, None, f"no: {path} already has an instance-level forward (wrapped by another)"
-    if not children and head is None:
-        return replace(costs, notes=notes, loss_head={"note": head_note} if head_note else {})
-    what = " and ".join(part for part, on in (("every block's pieces nested", children),
-                                             (f"the loss head ({path}) in chunks", head is not None)) if on)
-    say(f"profiling step 6: every block recomputed, with {what}")
-    while True:
-        runner.clear_grads()
-        try:
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(checkpoint_modules(block_list, policy="nothing_saveable"))
-                if children:
-                    stack.enter_context(checkpoint_modules(children, policy="nothing_saveable"))
-                chunked = stack.enter_context(chunked_for_profiling(head)) if head is not None else None
-                probe = measure_step(runner, block_list, record_ops=False)
-            break
-        except Exception as error:  # noqa: BLE001 - the optional pieces only lose their option
-            runner.clear_grads()
-            if not children:
-                raise
-            notes["pieces"] = f"no: the step with pieces nested failed ({type(error).__name__}: {str(error)[:200]})"
-            _log.info("torchckpt: %s", notes["pieces"])
-            children = []
-            if head is None:
-                return replace(costs, notes=notes, loss_head={"note": head_note} if head_note else {})
-    runner.clear_grads()
-    if children:
-        costs = _nested_pieces(block_list, costs, recomputed, probe)
-    entry: dict[str, Any] = {"note": head_note} if head_note else {}
-    if isinstance(head, nn.Linear) and chunked is not None and path is not None:
-        held = sum(b.input_bytes + b.freed_side_input_bytes + (b.nested_held_bytes if children else 0)
-                   for b in costs.blocks)
-        entry = loss_head_entry(path, head, *chunked, probe, held_checkpointed=held, plain_head=costs.head_bytes,
-                                every_block=recomputed)
-    return replace(costs, notes=notes, loss_head=entry)
-
-
-def _nested_pieces(block_list: list[nn.Module], costs: ChainCosts, recomputed: Probe, probe: Probe) -> ChainCosts:
-    """costs.py's [pieces nested inside a block] from ``probe``, a step with every block checkpointed keeping nothing
-    and its pieces (``blocks.block_pieces``) checkpointed inside it: each block's backward peak there, less what
-    [backward peak] counts besides the block's own activations and transients (``C + H``, what the checkpoint
-    holds, the incoming gradient), is its ``nested_recompute_peak_bytes``; what a block's forward pass leaves behind
-    beyond what it leaves with every block checkpointed plainly (``recomputed``, the profile's first step) is its
-    ``nested_held_bytes``."""
-    fixed = probe.traces[0].before_forward - probe.traces[0].input_bytes
-    blocks, n = costs.blocks, len(costs.blocks)
-    last_output = blocks[-1].output_bytes
-    updated, held = [], 0
-    for i, (block, trace, plain) in enumerate(zip(blocks, probe.traces, recomputed.traces)):
-        if not block_pieces(block_list[i]):
-            updated.append(block)
-            held += block.input_bytes + block.freed_side_input_bytes
-            continue
-        extra = max(0, (trace.after_forward - trace.before_forward) - (plain.after_forward - plain.before_forward))
-        incoming = 0 if i == n - 1 else block.output_bytes
-        base = fixed + last_output + held + block.input_bytes + block.freed_side_input_bytes + extra + incoming
-        nested = max(0, (trace.backward_peak or 0) - base)
-        updated.append(replace(block, nested_recompute_peak_bytes=nested, nested_held_bytes=extra))
-        held += block.input_bytes + block.freed_side_input_bytes + extra
-    return replace(costs, blocks=tuple(updated))
-
-
-def _loss_head_path(runner: StepRunner, costs: ChainCosts, group: Any,
-                    loss_head: bool | str) -> tuple[str | None, str]:
-    """The LM head to measure in chunks (planner/head.py), or None and why not."""
-    if loss_head is False:
-        return None, "off (profiled with loss_head=False)"
-    if group is not None:
-        return None, "no: not planned under DDP or FSDP2 yet (the head's weight may be sharded)"
-    if isinstance(loss_head, str):  # checked by check_loss_head_arg before profiling
-        return loss_head, ""
-    path, note = find_loss_head(runner.model, [runner.model.get_submodule(p) for p in costs.block_paths])
-    if path is None:
-        return None, note
-    if costs.head_bytes < HEAD_WORTH_CHUNKING * costs.every_block_peak_bytes:
-        return None, (f"no: the head ({path}) needs {format_bytes(costs.head_bytes)} at the end of the forward pass, "
-                      f"under {HEAD_WORTH_CHUNKING:.0%} of every block's peak, so computing it in chunks would "
-                      "hardly lower the floor (loss_head='<path>' measures it anyway)")
-    return path, ""
+    return measure_options(runner, block_list, costs, recomputed, say, group, loss_head, pieces)
 
 
 def _timed_step(runner: StepRunner) -> float:
