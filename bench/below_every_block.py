@@ -13,9 +13,9 @@ once without an optimizer (plain SGD: no state):
   recompute cost won back, (t_every_block - t_plan) / (t_every_block - t_no_checkpointing);
 - with AdamW, profiled twice more (without and with the optimizer inside the backward pass): both floors.
 
-    MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python bench/below_every_block.py [--models NAMES] [--repeats 3]
+    MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python bench/below_every_block.py [--models NAMES] [--repeats 3] [--name N]
 
-Results: bench/results/below_every_block.json and .md, with the commit they ran on.
+Results: bench/results/below_every_block.json and .md (or ``--name``'s), with the commit they ran on.
 """
 
 from __future__ import annotations
@@ -164,15 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--name", default="below_every_block", help="result file name (.json and .md)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     torch.set_num_threads(1)
     results = run_record(Path(__file__).parent, repeats=args.repeats,
                          models=[measure(name, args.repeats) for name in args.models.split(",")])
-    write_results(results, args.out_dir, "below_every_block.json")
+    write_results(results, args.out_dir, f"{args.name}.json")
     text = markdown(results)
-    (Path(args.out_dir) / "below_every_block.md").write_text(text)
+    (Path(args.out_dir) / f"{args.name}.md").write_text(text)
     print(text)
     return 0
 

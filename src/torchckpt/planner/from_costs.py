@@ -213,11 +213,11 @@ def plan_from_costs(costs: CostModel, budget: int | str, *, block_paths: Sequenc
             continue
         extra = float(costs.loss_head["extra_time_s"]) if head else 0.0
         found.append((solution.extra_time_s + extra, rank, solution, option, head))
-        break  # Note: [the loss head is chunked only where the budget needs it]
     if not found:  # told again with the paths, the plain peak, and the loss head's part
         lowest = min(errors, key=lambda error: error.floor_bytes)
         raise with_paths(with_head_note(lowest, costs), block_paths, int(plain_peak)) from None
-    extra_time, _, solution, option, head = found[0]
+    # Note: [the loss head is chunked where that is faster]: the least predicted time; ties go to the head whole
+    extra_time, _, solution, option, head = min(found, key=lambda entry: entry[:2])
     menus = [solver.block_menu(block) for block in option.blocks]
     applied = solver.schedule_margin_bytes(option, solution.schedule, margin_bytes)
     notes = {} if no_regions is None or len(costs.blocks) < 2 else {"regions": no_regions}
@@ -305,7 +305,8 @@ def loss_head_note(costs: CostModel, *, chosen: bool) -> str:
     if chosen:
         return (f"{entry['path']} in chunks of {entry['chunk_tokens']} tokens: its logits never exist whole "
                 f"({saving} less at the head; gradients of its weight equal to rounding, all others bitwise)")
-    return f"available ({entry['path']} in chunks would need {saving} less at the head); not needed at this budget"
+    return (f"available ({entry['path']} in chunks would need {saving} less at the head); the plan with the head "
+            "whole is as fast at this budget")
 
 
 def with_head_note(error: solver.InfeasibleBudgetError, costs: CostModel) -> solver.InfeasibleBudgetError:
