@@ -234,9 +234,12 @@ class CostModel:
     tail_bytes: int = 0
     measured: bool = True
     optimizer_in_backward: bool = False
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"{kind}.micro_batches must be an int >= 1; got {self.micro_batches!r}")
         _check_loss_head(kind, self.loss_head)
         _check_non_negative(kind, fixed_bytes=self.fixed_bytes, head_bytes=self.head_bytes,
                             region_recompute_bytes=self.region_recompute_bytes, step_time_s=self.step_time_s,

@@ -230,7 +230,8 @@ def plan_from_costs(costs: CostModel, budget: int | str, *, block_paths: Sequenc
                 fingerprint=model_fingerprint,
                 reference={"no_checkpointing_peak_bytes": float(plain_peak), "step_time_s": costs.step_time_s,
                            "margin_bytes": float(applied)},
-                notes=notes, loss_head=head, optimizer_in_backward=costs.optimizer_in_backward)
+                notes=notes, loss_head=head, optimizer_in_backward=costs.optimizer_in_backward,
+                micro_batches=costs.micro_batches)
 
 
 def head_options(costs: CostModel) -> list[tuple[CostModel, dict[str, Any]]]:

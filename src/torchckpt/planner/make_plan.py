@@ -19,7 +19,7 @@ from torchckpt.executor.compiled import uncompiled
 from torchckpt.planner.from_costs import check_margin_form, plan_from_costs
 from torchckpt.planner.plan import Plan, fingerprint
 from torchckpt.planner.profile import profile
-from torchckpt.planner.runner import StepFn
+from torchckpt.planner.runner import StepFn, check_micro_batches
 
 __all__ = ["plan"]
 
@@ -28,7 +28,7 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, optimizer: torch.optim.Optimizer | None = None,
          blocks: str | Sequence[nn.Module] = "auto", regions: bool = True, step_fn: StepFn | None = None,
          margin: int | float | str = "auto", loss_head: bool | str = True, pieces: bool = True,
-         optimizer_in_backward: bool = False) -> Plan:
+         optimizer_in_backward: bool = False, micro_batches: int = 1) -> Plan:
     """Measure ``model`` and return the plan with the least predicted recompute time within ``budget``.
 
     The budget covers the whole step as the profiler runs it: by default ``loss = (loss_fn or
@@ -50,6 +50,10 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     parameter inside the backward pass, so gradients do not all live at once; apply the plan with
     ``torchckpt.apply(model, plan, optimizer=optimizer)``. Not with gradient clipping, GradScaler or gradient
     accumulation (executor/optimizer_in_backward.py's [what needs every gradient is refused]).
+
+    ``micro_batches`` (gradient accumulation: backward passes per optimizer step, 1 by default): the budget then
+    holds on every micro-batch, the later ones finding the earlier ones' gradients alive (Note: [a later
+    micro-batch peaks highest]); ``step_fn`` then runs one micro-batch.
 
     ``margin`` is kept below the budget by plans the profiler did not measure (``resolve_margin``):
     ``"auto"`` (64 KiB plus 0.5% of the plain step's activations), bytes, or a share of the budget. No
@@ -73,11 +77,12 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     if parse_percent(budget, option="budget") is None:  # a bad budget fails before minutes of profiling
         parse_bytes(budget, option="budget")
     check_margin_form(margin)
+    check_micro_batches(micro_batches)
     # the blocks as profiled: "auto" is taken in the order the blocks run (profile's rule)
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, regions=regions,
                     step_fn=step_fn, loss_head=loss_head, pieces=pieces,
-                    optimizer_in_backward=optimizer_in_backward)
+                    optimizer_in_backward=optimizer_in_backward, micro_batches=micro_batches)
     paths = list(costs.block_paths)
     return plan_from_costs(costs, budget, block_paths=paths,
                            model_fingerprint=fingerprint(model, example_inputs, paths), regions=regions, margin=margin)

@@ -198,6 +198,8 @@ class Plan:
             logits and cross-entropy in chunks of that many tokens (``executor/loss_head.py``).
         optimizer_in_backward: the plan was measured with the optimizer's update run per parameter inside the
             backward pass (``executor/optimizer_in_backward.py``); ``apply`` then needs the optimizer.
+        micro_batches: backward passes per optimizer step (gradient accumulation) the plan was measured for;
+            its peaks hold on every micro-batch (Note: [a later micro-batch peaks highest]).
     """
 
     budget_bytes: int
@@ -210,8 +212,11 @@ class Plan:
     notes: dict[str, str] = field(default_factory=dict)
     loss_head: dict[str, Any] = field(default_factory=dict)
     optimizer_in_backward: bool = False
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"Plan.micro_batches must be an int >= 1; got {self.micro_batches!r}")
         if not isinstance(self.optimizer_in_backward, bool):
             raise ValueError(f"Plan.optimizer_in_backward must be a bool; got {self.optimizer_in_backward!r}")
         head = self.loss_head
@@ -276,6 +281,9 @@ class Plan:
         if reference:
             lines.append(f"no checkpointing would peak at {format_bytes(reference)} "
                          f"({self.predicted_peak_bytes / reference:.0%} of it)")
+        if self.micro_batches > 1:
+            lines.append(f"gradient accumulation: {self.micro_batches} micro-batches per optimizer step; the peak holds "
+                         "on every one")
         if self.optimizer_in_backward:
             lines.append("optimizer: its update runs per parameter inside the backward pass (apply(model, plan, "
                          "optimizer=...))")
@@ -308,7 +316,7 @@ class Plan:
     def to_json(self) -> str:
         """JSON text (round-trips exactly through :meth:`from_json`)."""
         nested = any(piece.nested for piece, _ in iter_blocks(self.schedule))
-        newer = self.loss_head or nested or self.optimizer_in_backward
+        newer = self.loss_head or nested or self.optimizer_in_backward or self.micro_batches > 1
         version = FORMAT_VERSION if newer else _WITHOUT_LOSS_HEAD_VERSION
         payload = {"format": "torchckpt.plan", "version": version, "budget_bytes": self.budget_bytes,
                    "predicted_peak_bytes": self.predicted_peak_bytes,
@@ -317,7 +325,8 @@ class Plan:
                    "block_paths": list(self.block_paths), "fingerprint": self.fingerprint,
                    "reference": self.reference, "notes": self.notes,
                    **({"loss_head": self.loss_head} if self.loss_head else {}),
-                   **({"optimizer_in_backward": True} if self.optimizer_in_backward else {})}
+                   **({"optimizer_in_backward": True} if self.optimizer_in_backward else {}),
+                   **({"micro_batches": self.micro_batches} if self.micro_batches > 1 else {})}
         return json.dumps(payload, indent=1)
 
     @classmethod
@@ -340,7 +349,8 @@ class Plan:
                        block_paths=tuple(payload["block_paths"]), fingerprint=payload["fingerprint"],
                        reference=payload.get("reference", {}), notes=payload.get("notes", {}),
                        loss_head=payload.get("loss_head", {}),
-                       optimizer_in_backward=payload.get("optimizer_in_backward", False))
+                       optimizer_in_backward=payload.get("optimizer_in_backward", False),
+                       micro_batches=payload.get("micro_batches", 1))
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"not a complete torchckpt plan: missing or malformed field {error}; re-create the "
                              "plan with torchckpt.plan(...)") from None

@@ -393,6 +393,12 @@ def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bo
                 TAG_STATE.active_regions -= 1
         probe.finish()
     paths = _paths_or_names(runner.model, blocks)
+    calls = {trace.calls for trace in probe.traces}
+    if runner.step_fn is not None and len(calls) == 1 and min(calls) > 1:
+        times = min(calls)
+        raise ValueError(f"step_fn ran every block {times} times in one step ({describe_paths(paths)}); if it runs "
+                         f"{times} micro-batches (gradient accumulation), make step_fn run one micro-batch and pass "
+                         f"micro_batches={times}: the plan then holds its budget on every micro-batch")
     for i, trace in enumerate(probe.traces):
         if trace.calls != 1:
             raise ValueError(f"block {i} ({paths[i]}, {type(blocks[i]).__name__}) ran {trace.calls} times in one "

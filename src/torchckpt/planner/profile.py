@@ -120,6 +120,7 @@ def profile(
     loss_head: bool | str = True,
     pieces: bool = True,
     optimizer_in_backward: bool = False,
+    micro_batches: int = 1,
 ) -> ChainCosts:
     """Measure ``model`` on ``example_inputs`` and return its cost model.
 
@@ -148,7 +149,9 @@ def profile(
     it (costs.py's [pieces nested inside a block]), a menu option of each block that has pieces.
     ``optimizer_in_backward=True`` (needs ``optimizer``) measures every step with the optimizer's update run per
     parameter inside the backward pass (``executor/optimizer_in_backward.py``), so gradients do not all live at
-    once; plans from these costs say so and ``apply`` installs it.
+    once; plans from these costs say so and ``apply`` installs it. ``micro_batches`` > 1 (gradient accumulation:
+    that many backward passes per optimizer step) measures every step as the second micro-batch runs it, the
+    first's gradients alive from its start (Note: [a later micro-batch peaks highest]).
 
     Example:
         >>> from torchckpt.models import gpt
@@ -167,14 +170,18 @@ def profile(
     group = process_group_of(model)  # planner/distributed.py's [a distributed model is planned by all its ranks]
     block_list = resolve_blocks(model, blocks)
     regions_off = sharded_blocks_note(block_list) if regions else "off (profiled with regions=False)"
-    runner = StepRunner(model, example_inputs, loss_fn, optimizer, step_fn=step_fn)
+    runner = StepRunner(model, example_inputs, loss_fn, optimizer, step_fn=step_fn, micro_batches=micro_batches)
+    if optimizer_in_backward and micro_batches > 1:
+        raise ValueError(f"optimizer_in_backward=True updates each parameter as soon as its gradient is ready, so "
+                         f"gradients cannot accumulate over micro_batches={micro_batches}; plan without "
+                         "optimizer_in_backward, or with one micro-batch per optimizer step")
     in_backward = (optimizer_in_backward_of(optimizer) if optimizer_in_backward and optimizer is not None
                    else contextlib.nullcontext())
     with preserved_state(model, optimizer), kv_cache_off([model], while_="profiling"), paused_gc(), \
             eager_measurement(), in_backward:
         runner.clear_grads()  # the user's gradients come back afterwards; they are not part of the step
-        if optimizer_in_backward:  # the optimizer's state is made in a backward pass: not in a measured one
-            runner.forward_backward()
+        if optimizer_in_backward or micro_batches > 1:  # the optimizer's state is made in a backward pass, and the
+            runner.forward_backward()  # gradients a later micro-batch finds are learned in one: not a measured one
             runner.clear_grads()
         if group is not None:
             _engine_warm_up(runner, block_list)
@@ -191,6 +198,8 @@ def profile(
             costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head, pieces)
     if optimizer_in_backward:
         costs = replace(costs, optimizer_in_backward=True)
+    if micro_batches > 1:
+        costs = replace(costs, micro_batches=micro_batches)
     if group is None:
         return costs
     costs = replace(costs, notes={**costs.notes, "engine": str(engine_of(model))})

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 
 from torchckpt.memory import device_of
 
-__all__ = ["StepFn", "StepRunner", "call_model", "default_loss"]
+__all__ = ["StepFn", "StepRunner", "call_model", "check_micro_batches", "default_loss"]
 
 StepFn = Callable[[nn.Module, Any], Any]
 """``step_fn(model, example_inputs)``: one forward and backward of the user's loop (see ``StepRunner``)."""
@@ -141,6 +141,10 @@ class StepRunner:
     ``zero_grad``) and returns the loss (a tensor) or None. ``loss_fn`` and ``step_fn`` together are
     refused: the loss belongs inside ``step_fn``.
 
+    ``micro_batches`` > 1 (gradient accumulation) measures the step as every micro-batch after the first runs it:
+    with the gradients of the earlier micro-batches already alive from its start (Note: [a later micro-batch
+    peaks highest]). ``clear_grads`` then leaves zero gradients on the parameters the last step gave one, not None.
+
     Example:
         >>> runner = StepRunner(nn.Linear(3, 1), (torch.ones(2, 3),), loss_fn=lambda out: out.square().mean())
         >>> runner.forward_backward().dim()
@@ -160,8 +164,11 @@ class StepRunner:
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     optimizer: torch.optim.Optimizer | None = None
     step_fn: StepFn | None = None
+    micro_batches: int = 1
+    _grad_params: list[nn.Parameter] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        check_micro_batches(self.micro_batches)
         if not isinstance(self.example_inputs, (tuple, dict)):
             raise TypeError(f"example_inputs must be a tuple of positional arguments or a dict of keyword "
                             f"arguments; got {type(self.example_inputs).__name__} (wrap one tensor as (x,))")
@@ -191,7 +198,12 @@ class StepRunner:
             raise TypeError(f"the loss must be a scalar tensor; got {shown} ({source}): reduce it, e.g. .mean()")
         del output
         loss.backward()
+        self._note_grads()
         return loss.detach()
+
+    def _note_grads(self) -> None:
+        if self.micro_batches > 1:
+            self._grad_params = [p for p in self.model.parameters() if p.grad is not None]
 
     def _user_step(self, step_fn: StepFn) -> torch.Tensor | None:
         trained = [p for p in self.model.parameters() if p.requires_grad]
@@ -199,15 +211,32 @@ class StepRunner:
         if trained and all(p.grad is None for p in trained):
             raise ValueError("step_fn left no gradient in the model's parameters: it must call loss.backward() "
                              "itself (and neither step an optimizer nor zero the gradients)")
+        self._note_grads()
         return result.detach() if isinstance(result, torch.Tensor) else None
 
     def clear_grads(self) -> None:
-        """Drop gradients (``set_to_none``), as a training loop does between steps."""
+        """Drop gradients (``set_to_none``), as a training loop does between steps; with ``micro_batches`` > 1,
+        zero gradients (fresh tensors) on the parameters the last step gave one, as the next micro-batch finds them."""
         for param in self.model.parameters():
             param.grad = None
+        for param in self._grad_params:
+            param.grad = torch.zeros_like(param)
 
     def optimizer_step(self) -> None:
         """Take one optimizer step (so its state exists) and clear gradients."""
         if self.optimizer is not None:
             self.optimizer.step()
         self.clear_grads()
+
+
+def check_micro_batches(micro_batches: Any) -> int:
+    """``micro_batches`` checked: an int >= 1 (the backward passes per optimizer step).
+
+    Example:
+        >>> check_micro_batches(4)
+        4
+    """
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be an int >= 1 (backward passes per optimizer step, gradient "
+                         f"accumulation); got {micro_batches!r}")
+    return micro_batches

@@ -189,7 +189,7 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
         (True, True, True)
     """
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
-    runner = StepRunner(model, example_inputs, loss_fn, step_fn=step_fn)
+    runner = StepRunner(model, example_inputs, loss_fn, step_fn=step_fn, micro_batches=plan.micro_batches)
     plan.check_fits(model, example_inputs)
     if plan.optimizer_in_backward and optimizer is None:
         raise ValueError("this plan runs the optimizer's update inside the backward pass: pass "
