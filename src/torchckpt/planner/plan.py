@@ -282,8 +282,8 @@ class Plan:
             lines.append(f"no checkpointing would peak at {format_bytes(reference)} "
                          f"({self.predicted_peak_bytes / reference:.0%} of it)")
         if self.micro_batches > 1:
-            lines.append(f"gradient accumulation: {self.micro_batches} micro-batches per optimizer step; the peak holds "
-                         "on every one")
+            lines.append(f"gradient accumulation: {self.micro_batches} micro-batches per optimizer step; the peak "
+                         "holds on every one")
         if self.optimizer_in_backward:
             lines.append("optimizer: its update runs per parameter inside the backward pass (apply(model, plan, "
                          "optimizer=...))")
