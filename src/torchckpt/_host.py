@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -83,35 +84,48 @@ def _cuda_initialised() -> bool:
 
 @dataclass(frozen=True)
 class RngSnapshot:
-    """torch's RNG streams at one moment: the CPU generator and every initialised CUDA device's.
+    """RNG streams at one moment: torch's CPU generator and every initialised CUDA device's; with
+    ``capture(host=True)`` also NumPy's global generator (``np.random``) and Python's ``random``.
 
     Example:
-        >>> snapshot = RngSnapshot.capture()
-        >>> first = torch.rand(1)
+        >>> import random
+        >>> snapshot = RngSnapshot.capture(host=True)
+        >>> first, draw = torch.rand(1), random.random()
         >>> snapshot.restore()
-        >>> bool(torch.rand(1) == first)
-        True
+        >>> bool(torch.rand(1) == first), random.random() == draw
+        (True, True)
     """
 
     cpu: np.ndarray
     cuda: tuple[np.ndarray, ...] = ()
+    numpy: tuple[Any, ...] | None = None  # np.random.get_state(), or None: not captured
+    python: tuple[Any, ...] | None = None  # random.getstate(), or None: not captured
 
     @classmethod
-    def capture(cls) -> RngSnapshot:
-        """Snapshot the CPU stream and, when CUDA is initialised, every device's stream."""
+    def capture(cls, host: bool = False) -> RngSnapshot:
+        """Snapshot the CPU stream and, when CUDA is initialised, every device's stream; ``host=True``: NumPy's and
+        Python's global streams too (about 0.1 ms more)."""
         cuda = tuple(host_bytes(state) for state in torch.cuda.get_rng_state_all()) if _cuda_initialised() else ()
-        return cls(cpu=host_bytes(torch.get_rng_state()), cuda=cuda)
+        if not host:
+            return cls(cpu=host_bytes(torch.get_rng_state()), cuda=cuda)
+        return cls(cpu=host_bytes(torch.get_rng_state()), cuda=cuda, numpy=np.random.get_state(),
+                   python=random.getstate())
 
     def restore(self) -> None:
-        """Set every stream back to this snapshot (the snapshot can be restored again)."""
+        """Set every stream captured back to this snapshot (the snapshot can be restored again)."""
         torch.set_rng_state(torch.from_numpy(self.cpu.copy()))
         if self.cuda:
             torch.cuda.set_rng_state_all([torch.from_numpy(state.copy()) for state in self.cuda])
+        if self.numpy is not None:
+            np.random.set_state(self.numpy)
+        if self.python is not None:
+            random.setstate(self.python)
 
 
 @contextlib.contextmanager
 def preserved_rng() -> Iterator[RngSnapshot]:
-    """Restore torch's RNG streams (CPU and CUDA) when the block exits, however it exits.
+    """Restore the RNG streams (torch's CPU and CUDA, NumPy's and Python's global ones) when the block exits,
+    however it exits.
 
     Example:
         >>> before = torch.get_rng_state()
@@ -120,7 +134,7 @@ def preserved_rng() -> Iterator[RngSnapshot]:
         >>> torch.equal(torch.get_rng_state(), before)
         True
     """
-    snapshot = RngSnapshot.capture()
+    snapshot = RngSnapshot.capture(host=True)
     try:
         yield snapshot
     finally:
@@ -175,8 +189,9 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[int, dict[s
 def preserved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
     """Put back, when the block exits however it exits, everything a measured training step changes:
     the model's parameters, buffers, gradients and train/eval modes, the optimizer's state (``optimizer``,
-    if given; its parameter groups are left as they are) and the torch RNG streams (CPU and every
-    initialised CUDA device). Values are written back into the same tensors, so parameter identity holds.
+    if given; its parameter groups are left as they are) and the RNG streams (torch's CPU and every
+    initialised CUDA device's, NumPy's and Python's global ones). Values are written back into the same
+    tensors, so parameter identity holds.
 
     The copies are NumPy memory, so a ``MemoryMeter`` running inside the block does not count them.
 
@@ -196,7 +211,7 @@ def preserved_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     grads = {name: None if param.grad is None else _to_host(param.grad) for name, param in model.named_parameters()}
     modes = {name: module.training for name, module in model.named_modules()}
     optimizer_state = _optimizer_snapshot(optimizer) if optimizer is not None else None
-    rng = RngSnapshot.capture()
+    rng = RngSnapshot.capture(host=True)
     try:
         yield
     finally:

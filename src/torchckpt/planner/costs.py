@@ -26,7 +26,11 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
    backward pass began in the plain step. Autograd keeps an input only if some op saves it: a linear
    layer whose weight needs no gradient saves its weight but not its input, so a post-norm block
    (BERT) with frozen weight matrices keeps nothing of its input, and its input is freed during the
-   forward pass. A checkpoint keeps its inputs whatever the block saves. (Measured in a plain step,
+   forward pass. A checkpoint keeps its inputs whatever the block saves, unless the block has no backward
+   pass (``has_backward`` False: its output needs no gradient, as for frozen leading blocks fed a batch or a
+   ``no_grad`` section): autograd then records no checkpoint, and it holds what it holds plainly
+   (``BlockCosts.checkpoint_held_bytes``; the probe reads such a block's input liveness when the backward
+   pass begins). (Measured in a plain step,
    the flag also covers an input the previous block saves as its own output; a plan that checkpoints
    that previous block then over-counts ``x_i``, which is safe.)
    A checkpointed block also holds ``freed_side_input_bytes``: its other tensor inputs (positional and
@@ -175,8 +179,24 @@ class BlockCosts:
     freed_side_input_bytes: int = 0
     nested_recompute_peak_bytes: int = -1
     nested_held_bytes: int = 0
+    plain_only: str = ""  # why the block may not be recomputed (planner/repeat.py); "": it may
+    has_backward: bool = True  # False: its output needs no gradient (frozen, a no-grad input, a no_grad section)
+
+    @property
+    def checkpoint_held_bytes(self) -> int:
+        """What a checkpoint of this block (or a region starting at it) holds: its input and the side inputs the
+        plain step frees; for a block without a backward pass only what it holds plainly: autograd records no
+        checkpoint node for it, so nothing is saved ([what a piece holds])."""
+        if not self.has_backward:
+            return self.input_bytes if self.input_held_when_plain else 0
+        return self.input_bytes + self.freed_side_input_bytes
 
     def __post_init__(self) -> None:
+        if not isinstance(self.has_backward, bool):
+            raise ValueError(f"BlockCosts({self.name!r}).has_backward must be a bool; got {self.has_backward!r}")
+        if not isinstance(self.plain_only, str):
+            raise ValueError(f"BlockCosts({self.name!r}).plain_only must be a str (a reason, or ''); got "
+                             f"{self.plain_only!r}")
         nested = self.nested_recompute_peak_bytes
         if isinstance(nested, bool) or not isinstance(nested, int) or nested < -1:
             raise ValueError(f"BlockCosts({self.name!r}).nested_recompute_peak_bytes must be an int >= 0, or -1 (not "

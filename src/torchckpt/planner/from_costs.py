@@ -221,6 +221,8 @@ def plan_from_costs(costs: CostModel, budget: int | str, *, block_paths: Sequenc
     menus = [solver.block_menu(block) for block in option.blocks]
     applied = solver.schedule_margin_bytes(option, solution.schedule, margin_bytes)
     notes = {} if no_regions is None or len(costs.blocks) < 2 else {"regions": no_regions}
+    if "not recomputed" in costs.notes:  # repeat.py's [a block is recomputed only if it repeats]
+        notes["not recomputed"] = costs.notes["not recomputed"]
     head_note = loss_head_note(costs, chosen=bool(head))
     if head_note:
         notes["loss head"] = head_note

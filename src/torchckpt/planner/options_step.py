@@ -86,7 +86,7 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
         costs = _nested_pieces(block_list, costs, recomputed, probe)
     entry: dict[str, Any] = {"note": head_note} if head_note else {}
     if isinstance(head, nn.Linear) and chunked is not None and path is not None:
-        held = sum(b.input_bytes + b.freed_side_input_bytes + (b.nested_held_bytes if children else 0)
+        held = sum(b.checkpoint_held_bytes + (b.nested_held_bytes if children else 0)
                    for b in costs.blocks)
         entry = loss_head_entry(path, head, *chunked, probe, held_checkpointed=held, plain_head=costs.head_bytes,
                                 every_block=recomputed)
@@ -107,14 +107,14 @@ def _nested_pieces(block_list: list[nn.Module], costs: ChainCosts, recomputed: P
     for i, (block, trace, plain) in enumerate(zip(blocks, probe.traces, recomputed.traces)):
         if not block_pieces(block_list[i]):
             updated.append(block)
-            held += block.input_bytes + block.freed_side_input_bytes
+            held += block.checkpoint_held_bytes
             continue
         extra = max(0, (trace.after_forward - trace.before_forward) - (plain.after_forward - plain.before_forward))
         incoming = 0 if i == n - 1 else block.output_bytes
-        base = fixed + last_output + held + block.input_bytes + block.freed_side_input_bytes + extra + incoming
+        base = fixed + last_output + held + block.checkpoint_held_bytes + extra + incoming
         nested = max(0, (trace.backward_peak or 0) - base)
         updated.append(replace(block, nested_recompute_peak_bytes=nested, nested_held_bytes=extra))
-        held += block.input_bytes + block.freed_side_input_bytes + extra
+        held += block.checkpoint_held_bytes + extra
     return replace(costs, blocks=tuple(updated))
 
 

@@ -10,6 +10,7 @@ into a cost model; nothing here decides anything.
 from __future__ import annotations
 
 import functools
+import random
 import statistics
 import time
 import weakref
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -102,6 +104,8 @@ class _BlockTrace:
     ops: list[dict] = field(default_factory=list)
     input_storage: weakref.ref | None = None  # weak: the probe must not keep the input alive itself
     input_alive_at_backward: bool = True
+    has_backward: bool = True  # False: its output needs no gradient (frozen, no-grad input, no_grad section)
+    settled: bool = False
     side_inputs: list[tuple[weakref.ref, int]] = field(default_factory=list)  # (storage, bytes), weak as above
     freed_side_input_bytes: int = 0
 
@@ -124,6 +128,7 @@ class _Recorder(TorchDispatchMode):
         # producing block, whether it is the hidden state the next block may read); and what was found.
         self.watched: dict[int, tuple[weakref.ref, int, bool]] = {}
         self.chain_problems: list[str] = []
+        self.between: int | None = None  # outside the blocks: the index of the last block that ran, if not the last
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -133,6 +138,11 @@ class _Recorder(TorchDispatchMode):
         if self.watched and torch._C._current_graph_task_id() == -1:  # forward ops only, not the backward's
             self._check_reads(func, flat_args)
         block = self.block
+        if (block is None and self.between is not None and not self.chain_problems
+                and torch.Tag.nondeterministic_seeded in func.tags and torch._C._current_graph_task_id() == -1):
+            self.chain_problems.append(f"the model draws random numbers between blocks {self.between} and "
+                                       f"{self.between + 1} ({op_name(func)}; layerdrop, say), which a region would "
+                                       "draw after its blocks' own")
         if block is None:
             return func(*args, **kwargs)
         inputs = {id(t.untyped_storage()) for t in flat_args if isinstance(t, torch.Tensor)}
@@ -220,6 +230,7 @@ class Probe:
         self._hidden: weakref.ref | None = None
         self._side: tuple | None = None
         self._rest: tuple | None = None
+        self._host_rng: tuple | None = None  # NumPy's and Python's global streams after the last block ran
         for i, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(self._pre(i), with_kwargs=True))
             self._handles.append(block.register_forward_hook(self._post(i), with_kwargs=True))
@@ -248,7 +259,7 @@ class Probe:
                 self._handles.append(x.register_hook(self._backward_end(i)))
             if self.recorder is not None:
                 self._check_call(i, args, kwargs)
-                self.recorder.block, self.recorder.block_index = trace, i
+                self.recorder.block, self.recorder.block_index, self.recorder.between = trace, i, None
                 TAG_STATE.active_regions += 1  # tags act as inside a checkpointed region (same op numbering)
         return hook
 
@@ -259,6 +270,8 @@ class Probe:
             trace.forward_s = time.perf_counter() - trace.forward_s
             if self.recorder is not None:
                 self.recorder.block, self.recorder.block_index = None, None
+                self.recorder.between = i if i < len(self.blocks) - 1 else None
+                self._host_rng = _host_rng_state()
                 TAG_STATE.active_regions -= 1
                 self._check_output(i, output)
             y = _first_tensor(output)
@@ -266,7 +279,8 @@ class Probe:
             trace.output_id = id(y)
             trace.forward_peak = self.meter.peak_bytes
             trace.after_forward = self.meter.current_bytes
-            if y is not None and y.requires_grad:
+            trace.has_backward = y is not None and y.requires_grad
+            if trace.has_backward:
                 self._handles.append(y.register_hook(self._backward_start(i)))
             if i == len(self.blocks) - 1:
                 self.meter.reset_peak()
@@ -278,6 +292,9 @@ class Probe:
         assert self.recorder is not None
         problems = self.recorder.chain_problems
         side = _signature((args[1:], kwargs))
+        if i > 0 and not problems and self._host_rng is not None and not _same_host_rng(self._host_rng):
+            problems.append(f"the model draws from NumPy's or Python's random generator between blocks {i - 1} and "
+                            f"{i}, which a region would draw after its blocks' own")
         if i > 0 and not problems:
             previous = self._hidden() if self._hidden is not None else None
             if previous is None or not args or args[0] is not previous:
@@ -307,8 +324,17 @@ class Probe:
         if not last and not problems:
             self.recorder.watch(output, hidden, i)
 
+    def _settle_blocks_without_backward(self) -> None:
+        """A block whose output needs no gradient has no backward pass, so its own hook never reads whether
+        its input is alive: read it when the backward pass begins."""
+        for trace in self.traces:
+            if not trace.has_backward and not trace.settled:
+                trace.input_alive_at_backward = trace.input_storage is None or trace.input_storage() is not None
+                trace.settled = True
+
     def _backward_start(self, i: int) -> Callable:
         def hook(grad: torch.Tensor) -> None:
+            self._settle_blocks_without_backward()
             if i == len(self.blocks) - 1:
                 self.head_peak = self.meter.peak_bytes
             trace = self.traces[i]
@@ -321,11 +347,13 @@ class Probe:
 
     def _backward_end(self, i: int) -> Callable:
         def hook(grad: torch.Tensor) -> None:
-            if self._backward_open == i:
+            # Block i's window stays open until the next block's backward pass starts, so that what runs between
+            # them (a tied embedding's gradient added up in T5's decoder, measured at 4% of its step) counts in
+            # block i's backward peak rather than nowhere; after block 0 the tail begins ([backward-end peak]).
+            if self._backward_open == i and i == 0:
                 self._close_backward()
-                if i == 0:
-                    self.meter.reset_peak()
-                    self._tail_open = True
+                self.meter.reset_peak()
+                self._tail_open = True
         return hook
 
     def _close_backward(self) -> None:
@@ -334,6 +362,7 @@ class Probe:
             self._backward_open = None
 
     def finish(self) -> None:
+        self._settle_blocks_without_backward()
         self._close_backward()
         if self._tail_open:
             self.tail_peak = self.meter.peak_bytes
@@ -399,6 +428,15 @@ def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bo
         raise ValueError(f"step_fn ran every block {times} times in one step ({describe_paths(paths)}); if it runs "
                          f"{times} micro-batches (gradient accumulation), make step_fn run one micro-batch and pass "
                          f"micro_batches={times}: the plan then holds its budget on every micro-batch")
+    skipped = [i for i, trace in enumerate(probe.traces) if trace.calls == 0]
+    if skipped and all(trace.calls <= 1 for trace in probe.traces):
+        i = skipped[0]
+        raise ValueError(f"block {i} ({paths[i]}, {type(blocks[i]).__name__}) did not run in the measured training "
+                         f"step: the model skipped it (at random, or on a condition of its own). torchckpt measures "
+                         f"a step in which every block runs, so that its plan holds whichever blocks a step skips: "
+                         f"set the skipping probability to 0 while planning (attributes named 'layerdrop' are "
+                         f"turned off for you: layerdrop.py's [every block runs while measuring]) and plan with "
+                         f"regions=False; or pass blocks=[...] without block {i}")
     for i, trace in enumerate(probe.traces):
         if trace.calls != 1:
             raise ValueError(f"block {i} ({paths[i]}, {type(blocks[i]).__name__}) ran {trace.calls} times in one "
@@ -412,6 +450,18 @@ def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bo
                               "the order given; torchckpt needs the blocks in forward order: pass them in the order "
                               "they run, blocks=[...]")
     return probe
+
+
+def _host_rng_state() -> tuple:
+    """NumPy's and Python's global RNG positions, to compare (``_same_host_rng``)."""
+    return np.random.get_state(), random.getstate()
+
+
+def _same_host_rng(before: tuple) -> bool:
+    numpy_before, python_before = before
+    numpy_now = np.random.get_state()
+    return (python_before == random.getstate() and numpy_before[2] == numpy_now[2]
+            and np.array_equal(numpy_before[1], numpy_now[1]))
 
 
 def _paths_or_names(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:

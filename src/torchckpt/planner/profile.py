@@ -89,9 +89,11 @@ from torchckpt.planner.distributed import (
 )
 from torchckpt.planner.from_costs import ChainCosts
 from torchckpt.planner.head import check_loss_head_arg
+from torchckpt.planner.layerdrop import layerdrop_off
 from torchckpt.planner.options_step import measure_options
 from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
 from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step
+from torchckpt.planner.repeat import unrepeatable_blocks
 from torchckpt.planner.runner import StepFn, StepRunner
 
 __all__ = ["profile", "HEADROOM_BYTES", "HEADROOM_FRACTION"]
@@ -178,13 +180,15 @@ def profile(
     in_backward = (optimizer_in_backward_of(optimizer) if optimizer_in_backward and optimizer is not None
                    else contextlib.nullcontext())
     with preserved_state(model, optimizer), kv_cache_off([model], while_="profiling"), paused_gc(), \
-            eager_measurement(), in_backward:
+            eager_measurement(), in_backward, layerdrop_off(model) as skipping:
         runner.clear_grads()  # the user's gradients come back afterwards; they are not part of the step
         if optimizer_in_backward or micro_batches > 1:  # the optimizer's state is made in a backward pass, and the
             runner.forward_backward()  # gradients a later micro-batch finds are learned in one: not a measured one
             runner.clear_grads()
         if group is not None:
             _engine_warm_up(runner, block_list)
+        # repeat.py's [a block is recomputed only if it repeats]; by module, as "auto" may reorder the blocks below
+        unrepeatable = {id(block_list[i]): why for i, why in unrepeatable_blocks(runner, block_list).items()}
         try:
             costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head, pieces)
         except BlockOrderError as error:  # on every rank alike (planner.distributed.same_outcome)
@@ -196,6 +200,10 @@ def profile(
             block_list = [block_list[k] for k in error.ran]
             runner.clear_grads()
             costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head, pieces)
+    if skipping is not None and "regions" not in costs.notes:  # layerdrop.py's [every block runs while measuring]
+        costs = replace(costs, notes={**costs.notes, "regions": skipping})
+    costs = plain_only(costs, {i: unrepeatable[id(block)] for i, block in enumerate(block_list)
+                               if id(block) in unrepeatable})
     if optimizer_in_backward:
         costs = replace(costs, optimizer_in_backward=True)
     if micro_batches > 1:
@@ -204,6 +212,31 @@ def profile(
         return costs
     costs = replace(costs, notes={**costs.notes, "engine": str(engine_of(model))})
     return agree_costs(costs, group)  # planner/distributed.py's [ranks agree on the costs]
+
+
+def plain_only(costs: ChainCosts, reasons: dict[int, str]) -> ChainCosts:
+    """``costs`` with the blocks in ``reasons`` (index -> why) planned plain only and no regions, the notes naming
+    them (repeat.py's [a block is recomputed only if it repeats]).
+
+    Example:
+        >>> from torchckpt.planner.costs import BlockCosts
+        >>> block = BlockCosts(name="b", input_bytes=1, output_bytes=1, saved_bytes=1, forward_time_s=0.1)
+        >>> costs = plain_only(ChainCosts(fixed_bytes=0, head_bytes=0, blocks=(block, block)), {1: "why"})
+        >>> costs.blocks[1].plain_only, costs.notes["not recomputed"]
+        ('why', 'block 1 (b): why')
+    """
+    if not reasons:
+        return costs
+    blocks = tuple(replace(block, plain_only=reasons[i]) if i in reasons else block
+                   for i, block in enumerate(costs.blocks))
+    paths = costs.block_paths or tuple(block.name for block in costs.blocks)
+    named = "; ".join(f"block {i} ({paths[i]}): {reason}" for i, reason in sorted(reasons.items()))
+    notes = {**costs.notes, "not recomputed": named}
+    if "regions" not in notes and len(blocks) > 1:
+        notes["regions"] = f"off: {len(reasons)} block(s) may not be recomputed (see 'not recomputed')"
+    # every block checkpointed is no longer a plan, so its measured peak must not stand for the schedule with the
+    # same option indices (a plain-only block's last option is plain): every schedule is predicted by the rules
+    return replace(costs, blocks=blocks, notes=notes, every_block_peak_bytes=0)
 
 
 def _engine_warm_up(runner: StepRunner, block_list: list[nn.Module]) -> None:
@@ -349,8 +382,9 @@ def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_times_s:
         # [forward peak] counts C, which holds the last block's output gradient; that is not alive in the forward pass.
         forward = max(0, trace.forward_peak - (fixed + last_output + held_before[i] + inputs[i]))
         ckpt_trace = recomputed.traces[i]
-        ckpt_held = sum(inputs[:i]) + sum(freed[:i])
-        ckpt_base = ckpt_fixed + last_output + ckpt_held + inputs[i] + freed[i] + saved[i] + incoming + backward
+        ckpt_held = sum(_ckpt_held(traces[k], inputs[k], input_held[k]) for k in range(i))
+        ckpt_base = (ckpt_fixed + last_output + ckpt_held + _ckpt_held(trace, inputs[i], input_held[i]) + saved[i]
+                     + incoming + backward)
         recompute = max(0, (ckpt_trace.backward_peak or 0) - ckpt_base)
         op_time_total = sum(op["time_s"] for op in trace.ops) or 1.0
         ops = tuple(OpCosts(index=op["index"], name=op["name"], output_bytes=op["output_bytes"],
@@ -360,7 +394,7 @@ def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_times_s:
                                  output_bytes=trace.output_bytes, saved_bytes=saved[i], forward_time_s=times[i],
                                  forward_peak_bytes=forward, backward_peak_bytes=backward,
                                  recompute_peak_bytes=recompute, ops=ops, input_held_when_plain=input_held[i],
-                                 freed_side_input_bytes=freed[i]))
+                                 freed_side_input_bytes=freed[i], has_backward=trace.has_backward))
     # costs.py's [backward-end peak]: the same in both steps but for noise; the larger
     tail = max(0, plain.tail_peak - fixed, recomputed.tail_peak - ckpt_fixed)
     costs = ChainCosts(fixed_bytes=fixed, head_bytes=head, blocks=tuple(blocks), step_time_s=plain_step_s,
@@ -376,6 +410,12 @@ def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_times_s:
     return replace(costs, every_block_peak_bytes=min(every_block_peak, int(model_peak)),
                    notes={**costs.notes, "every_block_peak": f"measured {every_block_peak} B; the peak model's rules "
                           f"give {model_peak} B ({model_peak - every_block_peak:+d} B)"})
+
+
+def _ckpt_held(trace: Any, input_bytes: int, input_held: bool) -> int:
+    if not trace.has_backward:
+        return input_bytes if input_held else 0
+    return input_bytes + trace.freed_side_input_bytes
 
 
 def _peak_at_marks(probe: Probe) -> int:

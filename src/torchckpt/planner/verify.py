@@ -176,7 +176,9 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
     gradient bitwise; the report names them. A plan made with the optimizer in the backward pass
     (``plan.optimizer_in_backward``) needs ``optimizer``: the two steps are then compared by the parameters
     after the update (``optimizer.step()`` after the plain one; inside the backward pass with the plan), from the
-    same parameters and optimizer state, which come back as they were afterwards.
+    same parameters and optimizer state, which come back as they were afterwards. Any other ``optimizer`` (the one
+    the plan was made with, ``plan(..., optimizer=...)``) takes one step in the unmeasured warm-up, so that its state
+    is alive in both measured steps as it was when profiling; its state comes back as it was.
 
     Example:
         >>> import torchckpt
@@ -197,9 +199,10 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
     updates = optimizer if plan.optimizer_in_backward else None
     # Both steps run with HF KV caches off, as profiling measured them (Note: [KV cache off while checkpointing]);
     # preserved_state: the warm-up and both steps update BatchNorm statistics: undo them.
-    with preserved_state(model, updates), kv_cache_off([model], while_="verify_plan"), paused_gc(), \
+    with preserved_state(model, optimizer), kv_cache_off([model], while_="verify_plan"), paused_gc(), \
             eager_measurement():
-        _measured_step(runner, seed, updates)  # warm-up: first-call costs (and the optimizer's state) out of the way
+        # warm-up: first-call costs out of the way, and the optimizer's state made as profiling made it (one step)
+        _measured_step(runner, seed, optimizer)
         start = _buffer_bytes(model)
         with preserved_state(model, updates):  # parameters and optimizer state back before the planned step
             plain_peak, plain_time, plain_grads = _measured_step(runner, seed, updates)

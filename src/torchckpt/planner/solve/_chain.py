@@ -78,8 +78,7 @@ class Chain:
     def region_held_bytes(self, start: int) -> int:
         """[what a piece holds]: a checkpoint (of one block, or a region starting there) holds the block's
         input and the side inputs the plain step frees."""
-        b = self.costs.blocks[start]
-        return b.input_bytes + b.freed_side_input_bytes
+        return self.costs.blocks[start].checkpoint_held_bytes
 
     def held_bytes(self, block: int, option: MenuOption) -> int:
         """[what a piece holds]: a single block holds its input (see ``_input_held_bytes``) plus what its

@@ -99,6 +99,8 @@ def block_menu(block: BlockCosts) -> tuple[MenuOption, ...]:
     ops = sorted((op for op in block.ops if op.saved), key=lambda op: op.index)
     plain = MenuOption(kept_ops=tuple(op.index for op in ops), held_bytes=block.saved_bytes, recompute_s=0.0,
                        plain=True)
+    if block.plain_only:  # planner/repeat.py's [a block is recomputed only if it repeats]
+        return (plain,)
     nothing = MenuOption(kept_ops=(), held_bytes=0, recompute_s=max(0.0, float(block.forward_time_s) - 0.0),
                          plain=False)
     middle = _span(_checkpoint_options(block, ops), block.saved_bytes, MENU_MAX_OPTIONS - 2)

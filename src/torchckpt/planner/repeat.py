@@ -1,0 +1,128 @@
+"""Which blocks compute the same output when run again as recomputation runs them (one unmeasured pass).
+
+Rules (cited as ``repeat.py's [name]``):
+
+1. **[a block is recomputed only if it repeats]** Recomputation runs a block's forward again in the backward
+   pass with torch's RNG streams as they were at its forward (executor/checkpoint.py's [recomputation replays
+   the RNG]) and everything else as the forward left it: what it wrote in place (a spectral norm's
+   power-iteration vectors, a counter), NumPy's and Python's global RNG streams. Before the measured steps the
+   profiler runs one forward pass without gradients in which every block, right after its forward, runs again
+   as recomputation would: torch's streams set back to where its forward began, what it wrote left written, and
+   what the second run writes undone (executor/checkpoint.py's [recomputation leaves buffers alone]). A block
+   whose two outputs are not bitwise equal is planned plain, never recomputed and never inside a region, and
+   the plan's notes name it and why. A BatchNorm in training writes its running statistics but does not read
+   them, and repeats; ``torch.nn.utils.spectral_norm`` reads the vectors it writes, and does not.
+2. **[only the pass's own streams move]** The pass leaves the RNG streams, parameters and buffers to the
+   profiler's ``preserved_state``; within it, each second run starts and ends with the streams where the
+   first run left them, so later blocks draw what they would have drawn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from torchckpt._host import RngSnapshot
+from torchckpt.executor.outer_writes import UndoOuterWrites
+from torchckpt.planner.runner import StepRunner, call_model
+
+__all__ = ["unrepeatable_blocks"]
+
+
+def unrepeatable_blocks(runner: StepRunner, blocks: Sequence[nn.Module]) -> dict[int, str]:
+    """Block index -> why recomputing it would not give its forward's output ([a block is recomputed only if it
+    repeats]); empty when every block repeats. Runs one forward pass (the whole step when ``runner`` has a
+    ``step_fn``), unmeasured; the caller restores the model's state and the RNG streams (``preserved_state``).
+
+    Example:
+        >>> from torchckpt._host import preserved_state
+        >>> from torchckpt.models import gpt
+        >>> model = gpt("tiny")
+        >>> runner = StepRunner(model, model.example_batch(batch_size=2, seq_len=16))
+        >>> with preserved_state(model):
+        ...     unrepeatable_blocks(runner, list(model.blocks))
+        {}
+    """
+    found: dict[int, str] = {}
+    checked: set[int] = set()
+    handles = []
+    for i, block in enumerate(blocks):
+        handles.append(block.register_forward_pre_hook(_before(i, checked, found), with_kwargs=True))
+    try:
+        if runner.step_fn is not None:  # the loop's own forward and backward: it calls backward itself
+            runner.forward_backward()
+            runner.clear_grads()
+        else:
+            with torch.no_grad():
+                call_model(runner.model, runner.example_inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+def _before(i: int, checked: set[int], found: dict[int, str]) -> Callable:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if i in checked:  # the first call of each block is checked
+            return
+        checked.add(i)
+        start = RngSnapshot.capture(host=True)
+        versions = _versions(module)
+        handle: Any = None
+
+        def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            handle.remove()
+            end = RngSnapshot.capture(host=True)
+            RngSnapshot(cpu=start.cpu, cuda=start.cuda).restore()  # torch's streams only, as recomputation does
+            try:
+                with UndoOuterWrites():
+                    again = module.forward(*args, **kwargs)
+            finally:
+                end.restore()
+            if not _same(output, again):
+                found[i] = _reason(start, end, versions, _versions(module))
+
+        handle = module.register_forward_hook(after, with_kwargs=True)
+    return hook
+
+
+def _versions(module: nn.Module) -> dict[str, int]:
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return {name: tensor._version for name, tensor in named}
+
+
+def _same(first: Any, second: Any) -> bool:
+    """Bitwise equal tensors in the same structure (NaN equal to the same NaN); other leaves are not compared."""
+    a, spec_a = tree_flatten(first)
+    b, spec_b = tree_flatten(second)
+    if spec_a != spec_b:
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype:
+                return False
+            if not torch.equal(x.detach().contiguous().reshape(-1).view(torch.uint8),
+                               y.detach().contiguous().reshape(-1).view(torch.uint8)):
+                return False
+    return True
+
+
+def _reason(start: RngSnapshot, end: RngSnapshot, before: dict[str, int], after: dict[str, int]) -> str:
+    written = [name for name, version in after.items() if before.get(name) != version]
+    assert start.numpy is not None and end.numpy is not None
+    host_drawn = start.python != end.python or not np.array_equal(start.numpy[1], end.numpy[1]) \
+        or start.numpy[2] != end.numpy[2]
+    if host_drawn:
+        return "its forward draws from NumPy's or Python's random generator, which recomputation would not replay"
+    if written:
+        shown = ", ".join(written[:3]) + (" ..." if len(written) > 3 else "")
+        return (f"its forward writes {shown} in place and reads it (a power iteration, say), so recomputation "
+                "would start from the written value")
+    return "run again from the same inputs, its forward gives another output (state of its own?)"
