@@ -231,6 +231,7 @@ class Probe:
         self._side: tuple | None = None
         self._rest: tuple | None = None
         self._host_rng: tuple | None = None  # NumPy's and Python's global streams after the last block ran
+        self._modes: tuple[bool, bool] | None = None  # grad mode and autocast of the last block's call
         for i, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(self._pre(i), with_kwargs=True))
             self._handles.append(block.register_forward_hook(self._post(i), with_kwargs=True))
@@ -292,6 +293,13 @@ class Probe:
         assert self.recorder is not None
         problems = self.recorder.chain_problems
         side = _signature((args[1:], kwargs))
+        modes = _grad_modes()
+        if i > 0 and not problems and self._modes is not None and modes != self._modes:
+            now, then = (", ".join(f"{what} {'on' if on else 'off'}" for what, on in zip(("gradients", "autocast"), m))
+                         for m in (modes, self._modes))
+            problems.append(f"block {i} runs with {now}, block {i - 1} with {then} (a no_grad section?): a region "
+                            "runs its blocks alike")
+        self._modes = modes
         if i > 0 and not problems and self._host_rng is not None and not _same_host_rng(self._host_rng):
             problems.append(f"the model draws from NumPy's or Python's random generator between blocks {i - 1} and "
                             f"{i}, which a region would draw after its blocks' own")
@@ -450,6 +458,12 @@ def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bo
                               "the order given; torchckpt needs the blocks in forward order: pass them in the order "
                               "they run, blocks=[...]")
     return probe
+
+
+def _grad_modes() -> tuple[bool, bool]:
+    """Whether gradients are recorded and autocast is on (any device) where a block is called."""
+    autocast = torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu")
+    return torch.is_grad_enabled(), bool(autocast)
 
 
 def _host_rng_state() -> tuple:
