@@ -108,7 +108,7 @@ class RngSnapshot:
         cuda = tuple(host_bytes(state) for state in torch.cuda.get_rng_state_all()) if _cuda_initialised() else ()
         if not host:
             return cls(cpu=host_bytes(torch.get_rng_state()), cuda=cuda)
-        return cls(cpu=host_bytes(torch.get_rng_state()), cuda=cuda, numpy=np.random.get_state(),
+        return cls(cpu=host_bytes(torch.get_rng_state()), cuda=cuda, numpy=tuple(np.random.get_state(legacy=True)),
                    python=random.getstate())
 
     def restore(self) -> None:

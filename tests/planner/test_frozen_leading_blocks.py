@@ -12,6 +12,7 @@ from torch import nn
 import torchckpt
 from torchckpt.planner import InfeasibleBudgetError
 from torchckpt.planner import solve as solver
+from torchckpt.planner.from_costs import ChainCosts
 from torchckpt.planner.profile import profile
 
 WIDTH, BATCH, DEPTH, FROZEN = 64, 512, 6, 2
@@ -52,16 +53,23 @@ def _model(how: str) -> tuple[nn.Module, tuple]:
 def test_leading_blocks_without_backward(how: str) -> None:
     model, batch = _model(how)
     costs = profile(model, batch, blocks=list(model.blocks))
-    # block 0's input is the batch (alive); block 1's is freed in the forward pass: nothing saves it
-    assert [b.input_held_when_plain for b in costs.blocks[:FROZEN]] == [True, False]
+    if how == "no_grad":  # a region would run the blocks after the section without gradients too: none is made
+        assert not costs.chain and "gradients off" in costs.notes["chain"], costs.notes
+    else:
+        # block 0's input is the batch (alive); block 1's is freed in the forward pass: nothing saves it
+        assert [b.input_held_when_plain for b in costs.blocks[:FROZEN]] == [True, False]
+        _regions_predicted_safely(model, batch, costs)
+    with pytest.raises(InfeasibleBudgetError) as error:
+        costs.plan(1)
+    plan = costs.plan(error.value.floor_bytes)
+    report = torchckpt.verify_plan(model, plan, batch)
+    assert report.within_budget and report.gradients_equal, report.table()
+
+
+def _regions_predicted_safely(model: nn.Module, batch: tuple, costs: ChainCosts) -> None:
     menus = [solver.block_menu(b) for b in costs.blocks]
     last = [len(m) - 1 for m in menus]
     region = solver.Region(0, FROZEN, tuple(solver.Single(i, 0) for i in range(FROZEN)))
     for rest in (0, "last"):
         schedule = (region, *(solver.Single(i, 0 if rest == 0 else last[i]) for i in range(FROZEN, DEPTH)))
         assert prediction_error(model, batch, costs, schedule) >= -1024, schedule
-    with pytest.raises(InfeasibleBudgetError) as error:
-        costs.plan(1)
-    plan = costs.plan(error.value.floor_bytes)
-    report = torchckpt.verify_plan(model, plan, batch)
-    assert report.within_budget and report.gradients_equal, report.table()

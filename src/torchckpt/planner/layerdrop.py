@@ -1,6 +1,6 @@
 """Blocks that may not run: LayerDrop turned off while a model is measured.
 
-Rules (cited as ``layerdrop.py's [name]``):
+Rules:
 
 1. **[every block runs while measuring]** LayerDrop (Fan et al. 2019; HF Wav2Vec2, HuBERT, WavLM, BART, Whisper
    and others: ``config.layerdrop``, ``encoder_layerdrop``, ``decoder_layerdrop``, or a module attribute so named)

@@ -1,6 +1,6 @@
 """Which blocks compute the same output when run again as recomputation runs them (one unmeasured pass).
 
-Rules (cited as ``repeat.py's [name]``):
+Rules:
 
 1. **[a block is recomputed only if it repeats]** Recomputation runs a block's forward again in the backward
    pass with torch's RNG streams as they were at its forward (executor/checkpoint.py's [recomputation replays
