@@ -47,8 +47,8 @@ from torch import nn
 
 from torchckpt.executor.compiled import is_compiled_module, uncompiled
 
-__all__ = ["block_paths", "block_pieces", "describe_paths", "find_blocks", "positional_form", "resolve_blocks",
-           "structure_key"]
+__all__ = ["block_paths", "block_pieces", "describe_paths", "find_blocks", "other_groupings", "positional_form",
+           "resolve_blocks", "structure_key"]
 
 _FIRST_PARAMETER: dict[type, str | None] = {}  # a block class -> its forward's first parameter, if by-keyword-able
 
@@ -177,6 +177,56 @@ def _unet_blocks(model: nn.Module) -> tuple[str, list[nn.Module]] | None:
 
 def _search(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Rule 3: (path, block) in named_modules order; empty when no container holds two of one class in a row."""
+    order, kept = _candidates(model)
+    most = max((len(found_) for found_ in kept.values()), default=0)
+    tied = [cls for cls, found_ in kept.items() if len(found_) == most]
+    chosen = [cls for cls in tied if not any(o is not cls and _within(kept, cls, o) for o in tied)]
+    blocks = [entry for cls in chosen for entry in kept[cls]]
+    return sorted(blocks, key=lambda entry: order[id(entry[1])][0])
+
+
+def _within(candidates: dict[type, list[tuple[str, nn.Module]]], inner: type, outer: type, every: bool = True) -> bool:
+    """Whether instances of ``inner`` lie inside ``outer``'s (every one of them, or any)."""
+    test = all if every else any
+    return test(any(_inside(path, other) for other, _ in candidates[outer]) for path, _ in candidates[inner])
+
+
+def other_groupings(model: nn.Module, chosen: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """Other ways to cut ``model`` into blocks than the paths ``chosen``: the instances of each other candidate
+    class of rule 3, and the children of each container of two or more children of mixed classes that each hold
+    two or more weight layers (a model's stages). ``(description, paths)`` pairs, paths in forward order.
+
+    Example:
+        >>> def block() -> nn.Module:
+        ...     return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        >>> class Stage(nn.Sequential):
+        ...     pass
+        >>> staged = nn.Sequential(Stage(block(), block()), nn.Sequential(nn.Conv1d(4, 4, 1), block(), block()))
+        >>> other_groupings(staged, ["0.0", "0.1", "1.1", "1.2"])
+        [('stages 0, 1 (Sequential)', ['0', '1'])]
+    """
+    order, kept = _candidates(model)
+    found = []
+    for cls, entries in kept.items():
+        paths = [path for path, _ in entries]
+        if len(paths) >= 2 and paths != list(chosen):
+            found.append((f"{cls.__name__} ({len(paths)} blocks)", paths))
+    for name, container in model.named_modules():
+        children = list(container.named_children())
+        if (not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(children) < 2
+                or len({type(child) for _, child in children}) < 2
+                or any(_weight_layers(child) < 2 for _, child in children)):
+            continue
+        paths = [f"{name}.{child}" if name else child for child, _ in children]
+        if paths != list(chosen):
+            shown = ", ".join(child for child, _ in children)
+            found.append((f"stages {shown} ({name or type(container).__name__})", paths))
+    return found
+
+
+def _candidates(model: nn.Module) -> tuple[dict[int, tuple[int, str]], dict[type, list[tuple[str, nn.Module]]]]:
+    """Rule 3's candidate classes, less those that are layers of another: (named_modules order by id, class ->
+    its (path, instance) pairs in order)."""
     order = {id(module): (i, name) for i, (name, module) in enumerate(model.named_modules())}
     repeated: set[type] = set()
     found: dict[type, dict[int, nn.Module]] = {}
@@ -195,18 +245,9 @@ def _search(model: nn.Module) -> list[tuple[str, nn.Module]]:
         candidates[cls] = [(path, model.get_submodule(path)) for path in paths
                            if not any(_inside(other, path) for other in paths if other != path)]
 
-    def within(inner: type, outer: type, every: bool = True) -> bool:  # instances of `inner` inside `outer`'s
-        test = all if every else any
-        return test(any(_inside(path, other) for other, _ in candidates[outer]) for path, _ in candidates[inner])
-
     layers = {cls for cls, found_ in candidates.items() if all(_weight_layers(m) < 2 for _, m in found_)
-              and any(within(cls, other, every=False) for other in candidates if other is not cls)}
-    kept = {cls: found_ for cls, found_ in candidates.items() if cls not in layers}
-    most = max((len(found_) for found_ in kept.values()), default=0)
-    tied = [cls for cls, found_ in kept.items() if len(found_) == most]
-    chosen = [cls for cls in tied if not any(o is not cls and within(cls, o) for o in tied)]
-    blocks = [entry for cls in chosen for entry in kept[cls]]
-    return sorted(blocks, key=lambda entry: order[id(entry[1])][0])
+              and any(_within(candidates, cls, other, every=False) for other in candidates if other is not cls)}
+    return order, {cls: found_ for cls, found_ in candidates.items() if cls not in layers}
 
 
 def _containers(paths: Sequence[str]) -> str:

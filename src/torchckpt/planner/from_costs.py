@@ -215,14 +215,16 @@ def plan_from_costs(costs: CostModel, budget: int | str, *, block_paths: Sequenc
         found.append((solution.extra_time_s + extra, rank, solution, option, head))
     if not found:  # told again with the paths, the plain peak, and the loss head's part
         lowest = min(errors, key=lambda error: error.floor_bytes)
-        raise with_paths(with_head_note(lowest, costs), block_paths, int(plain_peak)) from None
+        told = with_paths(with_head_note(lowest, costs), block_paths, int(plain_peak))
+        raise with_other_blocks(told, costs) from None
     # Note: [the loss head is chunked where that is faster]: the least predicted time; ties go to the head whole
     extra_time, _, solution, option, head = min(found, key=lambda entry: entry[:2])
     menus = [solver.block_menu(block) for block in option.blocks]
     applied = solver.schedule_margin_bytes(option, solution.schedule, margin_bytes)
     notes = {} if no_regions is None or len(costs.blocks) < 2 else {"regions": no_regions}
-    if "not recomputed" in costs.notes:  # repeat.py's [a block is recomputed only if it repeats]
-        notes["not recomputed"] = costs.notes["not recomputed"]
+    for name in ("not recomputed", "other blocks"):  # repeat.py's and other_blocks.py's rules
+        if name in costs.notes:
+            notes[name] = costs.notes[name]
     head_note = loss_head_note(costs, chosen=bool(head))
     if head_note:
         notes["loss head"] = head_note
@@ -326,6 +328,17 @@ def with_head_note(error: solver.InfeasibleBudgetError, costs: CostModel) -> sol
         return error
     breakdown = {**error.breakdown, "loss_head": head.strip()}
     return solver.InfeasibleBudgetError(error.budget_bytes, error.floor_bytes, breakdown, f"{error}{head}")
+
+
+def with_other_blocks(error: solver.InfeasibleBudgetError, costs: CostModel) -> solver.InfeasibleBudgetError:
+    """``error`` naming other blocks that measured a much lower peak (other_blocks.py's [a much lower floor
+    elsewhere is named]), when the profiler found any."""
+    other = costs.notes.get("other blocks")
+    if not other:
+        return error
+    breakdown = {**error.breakdown, "other_blocks": other}
+    return solver.InfeasibleBudgetError(error.budget_bytes, error.floor_bytes, breakdown,
+                                        f"{error} Other blocks may go lower: {other}.")
 
 
 def check_margin_form(margin: object) -> None:

@@ -302,7 +302,10 @@ def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bo
         times = min(calls)
         raise ValueError(f"step_fn ran every block {times} times in one step ({describe_paths(paths)}); if it runs "
                          f"{times} micro-batches (gradient accumulation), make step_fn run one micro-batch and pass "
-                         f"micro_batches={times}: the plan then holds its budget on every micro-batch")
+                         f"micro_batches={times}: the plan then holds its budget on every micro-batch. If it calls "
+                         f"these blocks {times} times on other data (a discriminator on real and generated samples), "
+                         "plan blocks that run once per step (blocks=[...]), or call them once on the concatenated "
+                         "batch")
     skipped = [i for i, trace in enumerate(probe.traces) if trace.calls == 0]
     if skipped and all(trace.calls <= 1 for trace in probe.traces):
         i = skipped[0]
@@ -312,11 +315,15 @@ def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bo
                          f"set the skipping probability to 0 while planning (attributes named 'layerdrop' are "
                          f"turned off for you: layerdrop.py's [every block runs while measuring]) and plan with "
                          f"regions=False; or pass blocks=[...] without block {i}")
+    once = [paths[k] for k, trace in enumerate(probe.traces) if trace.calls == 1]
     for i, trace in enumerate(probe.traces):
         if trace.calls != 1:
+            fix = (f"plan the blocks that ran once, blocks=[model.get_submodule(p) for p in {once!r}], or call "
+                   f"{paths[i]} once per step (on the concatenated batch, for a module applied to several)" if once
+                   else "pass blocks=[...] that each run once per step")
             raise ValueError(f"block {i} ({paths[i]}, {type(blocks[i]).__name__}) ran {trace.calls} times in one "
                              f"training step; torchckpt plans blocks that run exactly once per step, and the blocks "
-                             f"were {describe_paths(paths)} (pass blocks=[...] to choose others)")
+                             f"were {describe_paths(paths)}: {fix}")
     orders = [trace.order for trace in probe.traces]
     if orders != sorted(orders):
         ran = sorted(range(len(orders)), key=orders.__getitem__)

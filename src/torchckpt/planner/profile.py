@@ -87,10 +87,11 @@ from torchckpt.planner.distributed import (
     same_outcome,
     sharded_blocks_note,
 )
-from torchckpt.planner.from_costs import ChainCosts
+from torchckpt.planner.from_costs import ChainCosts, no_checkpointing_schedule
 from torchckpt.planner.head import check_loss_head_arg
 from torchckpt.planner.layerdrop import layerdrop_off
 from torchckpt.planner.options_step import measure_options
+from torchckpt.planner.other_blocks import other_blocks_note
 from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
 from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step
 from torchckpt.planner.repeat import unrepeatable_blocks
@@ -200,6 +201,11 @@ def profile(
             block_list = [block_list[k] for k in error.ran]
             runner.clear_grads()
             costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head, pieces)
+        if isinstance(blocks, str) and group is None:  # other_blocks.py's [a much lower floor elsewhere is named]
+            plain_peak, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
+            other = other_blocks_note(runner, costs.block_paths, costs.every_block_peak_bytes, int(plain_peak))
+            if other is not None:
+                costs = replace(costs, notes={**costs.notes, "other blocks": other})
     if skipping is not None and "regions" not in costs.notes:  # layerdrop.py's [every block runs while measuring]
         costs = replace(costs, notes={**costs.notes, "regions": skipping})
     costs = plain_only(costs, {i: unrepeatable[id(block)] for i, block in enumerate(block_list)
