@@ -259,6 +259,25 @@ def segformer() -> Loop:
     return Loop(model.train(), {"pixel_values": _pixels(), "labels": labels})
 
 
+def convnext_drop_path() -> Loop:
+    import transformers
+
+    config = transformers.ConvNextConfig(num_channels=3, patch_size=4, hidden_sizes=[16, 32], depths=[2, 2],
+                                         num_stages=2, num_labels=10, drop_path_rate=0.2, image_size=2 * IMAGE)
+    model = transformers.ConvNextForImageClassification(config)
+    return Loop(model.train(), {"pixel_values": _pixels(size=2 * IMAGE), "labels": _labels(10)})
+
+
+def resnet_accumulating() -> Loop:
+    """BatchNorm statistics move on every micro-batch; 3 micro-batches per optimizer step."""
+    import transformers
+
+    config = transformers.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[2, 2],
+                                       layer_type="basic", num_labels=10)
+    model = transformers.ResNetForImageClassification(config)
+    return Loop(model.train(), {"pixel_values": _pixels(size=2 * IMAGE), "labels": _labels(10)}, micro_batches=3)
+
+
 # ---------------------------------------------------------------- diffusers and PEFT
 def unet_conditional() -> Loop:
     import diffusers
@@ -388,6 +407,23 @@ class _GAN(nn.Module):
         return x
 
 
+def autocast_gpt2() -> Loop:
+    """A loop of its own under bfloat16 autocast."""
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=2 * SEQ)
+    model = transformers.GPT2LMHeadModel(config)
+
+    def step(model: nn.Module, inputs: dict) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**inputs).loss
+        loss.backward()
+        return loss
+
+    ids = _ids()
+    return Loop(model.train(), {"input_ids": ids, "labels": ids}, step_fn=step)
+
+
 def gan_d_twice() -> Loop:
     """D runs twice per step: refused, and the error names blocks that run once (the generator's)."""
     model = _GAN()
@@ -401,7 +437,9 @@ BUILDERS: dict[str, Callable[[], Loop]] = {
     "opt_layerdrop": opt_layerdrop, "gpt_neox": gpt_neox, "phi3": phi3, "gemma": gemma, "t5": t5,
     "bart_layerdrop": bart_layerdrop, "whisper": whisper, "wav2vec2": wav2vec2, "hubert": hubert, "wavlm": wavlm,
     "bert_frozen_leading_layers": bert_frozen_leading_layers, "distilbert": distilbert, "swin": swin,
-    "dinov2": dinov2, "deit": deit, "segformer": segformer, "unet_conditional": unet_conditional, "vae": vae,
+    "dinov2": dinov2, "deit": deit, "segformer": segformer, "convnext_drop_path": convnext_drop_path,
+    "resnet_accumulating": resnet_accumulating, "autocast_gpt2": autocast_gpt2,
+    "unet_conditional": unet_conditional, "vae": vae,
     "lora_gpt2": lora_gpt2, "spectral_norm_stack": spectral_norm_stack, "numpy_draws_in_blocks": numpy_draws_in_blocks,
     "accumulating_step_fn": accumulating_step_fn, "no_grad_prefix": no_grad_prefix, "gan_d_twice": gan_d_twice,
 }

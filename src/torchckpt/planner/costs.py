@@ -26,13 +26,19 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
    backward pass began in the plain step. Autograd keeps an input only if some op saves it: a linear
    layer whose weight needs no gradient saves its weight but not its input, so a post-norm block
    (BERT) with frozen weight matrices keeps nothing of its input, and its input is freed during the
-   forward pass. A checkpoint keeps its inputs whatever the block saves, unless the block has no backward
+   forward pass. (Measured in a plain step,
+   the flag also covers an input the previous block saves as its own output; a plan that checkpoints
+   that previous block then over-counts ``x_i``, which is safe.)
+   A checkpoint keeps its inputs whatever the block saves, unless the block has no backward
    pass (``has_backward`` False: its output needs no gradient, as for frozen leading blocks fed a batch or a
    ``no_grad`` section): autograd then records no checkpoint, and it holds what it holds plainly
    (``BlockCosts.checkpoint_held_bytes``; the probe reads such a block's input liveness when the backward
-   pass begins). (Measured in a plain step,
-   the flag also covers an input the previous block saves as its own output; a plan that checkpoints
-   that previous block then over-counts ``x_i``, which is safe.)
+   pass begins). A checkpointed block also holds ``checkpoint_residue_bytes``: what its forward pass left
+   alive besides its outputs when every block was checkpointed (autocast caches its weights' casts until the
+   autocast region ends: a GPT-2 block's bfloat16 weights, measured 3.5% of the step under-predicted without
+   it; the RNG state torch's checkpoint stashes). It counts through the backward pass too, an over-count where
+   it is freed at the end of the forward pass, which is safe. A region holds it of its first block only, so
+   the profiler allows no regions where it is more than a quarter of a block's input (``profile``).
    A checkpointed block also holds ``freed_side_input_bytes``: its other tensor inputs (positional and
    keyword; each storage once, the first input's excluded) whose storage the plain step has already
    freed when the block's backward pass begins, such as an encoder output or a position bias read only
@@ -181,6 +187,7 @@ class BlockCosts:
     nested_held_bytes: int = 0
     plain_only: str = ""  # why the block may not be recomputed (planner/repeat.py); "": it may
     has_backward: bool = True  # False: its output needs no gradient (frozen, a no-grad input, a no_grad section)
+    checkpoint_residue_bytes: int = 0  # what a checkpointed forward leaves alive besides its outputs (measured)
 
     @property
     def checkpoint_held_bytes(self) -> int:
@@ -189,7 +196,7 @@ class BlockCosts:
         checkpoint node for it, so nothing is saved ([what a piece holds])."""
         if not self.has_backward:
             return self.input_bytes if self.input_held_when_plain else 0
-        return self.input_bytes + self.freed_side_input_bytes
+        return self.input_bytes + self.freed_side_input_bytes + self.checkpoint_residue_bytes
 
     def __post_init__(self) -> None:
         if not isinstance(self.has_backward, bool):

@@ -144,6 +144,7 @@ class Probe:
                 self._check_output(i, output)
             y = _first_tensor(output)
             trace.output_bytes = _nbytes(y)
+            trace.outputs_bytes = _new_bytes(output, (args, kwargs))
             trace.output_id = id(y)
             trace.forward_peak = self.meter.peak_bytes
             trace.after_forward = self.meter.current_bytes
@@ -332,6 +333,15 @@ def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bo
                               "the order given; torchckpt needs the blocks in forward order: pass them in the order "
                               "they run, blocks=[...]")
     return probe
+
+
+def _new_bytes(output: Any, inputs: Any) -> int:
+    """Bytes of the tensors in ``output`` (each storage once) that are not storages of ``inputs``."""
+    def storages(value: Any) -> dict[int, Any]:
+        return {id(s): s for s in (leaf.untyped_storage() for leaf in tree_flatten(value)[0]
+                                   if isinstance(leaf, torch.Tensor))}
+    given = storages(inputs)
+    return sum(storage.nbytes() for key, storage in storages(output).items() if key not in given)
 
 
 def _grad_modes() -> tuple[bool, bool]:

@@ -296,7 +296,7 @@ def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Ca
                                                    "blocks are not a plain chain"})
     if regions_off is not None:
         costs = replace(costs, notes={**costs.notes, "regions": regions_off})
-    elif costs.chain and len(block_list) > 1:
+    elif costs.chain and len(block_list) > 1 and "regions" not in costs.notes:
         say("profiling step 5: a region of two blocks")
         costs = replace(costs, region_recompute_bytes=_region_residue(runner, block_list, costs))
     return measure_options(runner, block_list, costs, recomputed, say, group, loss_head, pieces)
@@ -342,6 +342,9 @@ def _region_residue(runner: StepRunner, blocks: list[nn.Module], costs: ChainCos
     # pieces, one more output-sized gradient is alive than this calibration region shows (measured on
     # gpt("small") at 16 x 384 tokens: 9.4 MB under-predicted without it). Conservative elsewhere.
     return max(0, meter.peak_bytes - int(predicted)) + max(block.output_bytes for block in costs.blocks)
+
+
+RESIDUE_SHARE = 0.25  # a checkpointed block leaving more than this share of its input alive makes no region
 
 
 def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_times_s: tuple[float, float],
@@ -400,7 +403,9 @@ def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_times_s:
                                  output_bytes=trace.output_bytes, saved_bytes=saved[i], forward_time_s=times[i],
                                  forward_peak_bytes=forward, backward_peak_bytes=backward,
                                  recompute_peak_bytes=recompute, ops=ops, input_held_when_plain=input_held[i],
-                                 freed_side_input_bytes=freed[i], has_backward=trace.has_backward))
+                                 freed_side_input_bytes=freed[i], has_backward=trace.has_backward,
+                                 checkpoint_residue_bytes=max(0, ckpt_trace.after_forward - ckpt_trace.before_forward
+                                                              - ckpt_trace.outputs_bytes)))
     # costs.py's [backward-end peak]: the same in both steps but for noise; the larger
     tail = max(0, plain.tail_peak - fixed, recomputed.tail_peak - ckpt_fixed)
     costs = ChainCosts(fixed_bytes=fixed, head_bytes=head, blocks=tuple(blocks), step_time_s=plain_step_s,
@@ -408,6 +413,12 @@ def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_times_s:
                        chain=chain, margin_bytes=margin, every_block_step_time_s=every_block_step_s,
                        notes={"chain": chain_note, "recompute_time_scale": time_note,
                               "headroom_bytes": "0"})  # fixed_bytes holds none now (margin_bytes); for old readers
+    left = [i for i, b in enumerate(blocks) if b.checkpoint_residue_bytes > RESIDUE_SHARE * b.input_bytes]
+    if chain and left:  # costs.py's [what a piece holds]: a region would hold every inside block's residue
+        costs = replace(costs, notes={**costs.notes, "regions": (
+            f"off: checkpointed, block {left[0]} leaves {blocks[left[0]].checkpoint_residue_bytes} bytes alive after "
+            "its forward pass besides its outputs (autocast's cached weight casts, say), which a region would hold "
+            "for every block inside it")})
     every_block = tuple(solver.Single(block=i, option=len(solver.block_menu(b)) - 1) for i, b in enumerate(blocks))
     model_peak, _ = solver.evaluate(costs, every_block)
     # Step 1 is also the warm-up: first-call allocations (lazily built caches) can raise its peak above a

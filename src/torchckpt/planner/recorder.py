@@ -27,6 +27,7 @@ _TAG = torch.ops.aten.alias.default  # what ``tag`` dispatches (policies.py)
 class BlockTrace:
     input_bytes: int = 0
     output_bytes: int = 0
+    outputs_bytes: int = 0  # every tensor the block returns (each storage once, its inputs' excluded)
     before_forward: int = 0
     after_forward: int = 0
     forward_peak: int = 0

@@ -11,7 +11,10 @@ Rules:
    what the second run writes undone (executor/checkpoint.py's [recomputation leaves buffers alone]). A block
    whose two outputs are not bitwise equal is planned plain, never recomputed and never inside a region, and
    the plan's notes name it and why. A BatchNorm in training writes its running statistics but does not read
-   them, and repeats; ``torch.nn.utils.spectral_norm`` reads the vectors it writes, and does not.
+   them, and repeats; ``torch.nn.utils.spectral_norm`` reads the vectors it writes, and does not. Off the CPU
+   a difference with no cause found (no draw from NumPy or ``random``, no write to its own parameters or
+   buffers) is taken for a kernel that is not bitwise repeatable by design (atomics), as torch's checkpoint
+   takes it, and the block stays recomputable.
 2. **[only the pass's own streams move]** The pass leaves the RNG streams, parameters and buffers to the
    profiler's ``preserved_state``; within it, each second run starts and ends with the streams where the
    first run left them, so later blocks draw what they would have drawn.
@@ -85,7 +88,10 @@ def _before(i: int, checked: set[int], found: dict[int, str]) -> Callable:
             finally:
                 end.restore()
             if not _same(output, again):
-                found[i] = _reason(start, end, versions, _versions(module))
+                why = _reason(start, end, versions, _versions(module))
+                if why is not None or not _on_accelerator(output):
+                    found[i] = why or "run again from the same inputs, its forward gives another output"
+
 
         handle = module.register_forward_hook(after, with_kwargs=True)
     return hook
@@ -114,7 +120,14 @@ def _same(first: Any, second: Any) -> bool:
     return True
 
 
-def _reason(start: RngSnapshot, end: RngSnapshot, before: dict[str, int], after: dict[str, int]) -> str:
+def _on_accelerator(output: Any) -> bool:
+    """Whether the block's output lives off the CPU, where some kernels (atomics: ``index_add_``, scatters) are
+    not bitwise repeatable by design, as torch.utils.checkpoint accepts: there an unexplained difference is no
+    reason to keep a block plain."""
+    return any(isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu" for leaf in tree_flatten(output)[0])
+
+
+def _reason(start: RngSnapshot, end: RngSnapshot, before: dict[str, int], after: dict[str, int]) -> str | None:
     written = [name for name, version in after.items() if before.get(name) != version]
     assert start.numpy is not None and end.numpy is not None
     host_drawn = start.python != end.python or not np.array_equal(start.numpy[1], end.numpy[1]) \
@@ -125,4 +138,4 @@ def _reason(start: RngSnapshot, end: RngSnapshot, before: dict[str, int], after:
         shown = ", ".join(written[:3]) + (" ..." if len(written) > 3 else "")
         return (f"its forward writes {shown} in place and reads it (a power iteration, say), so recomputation "
                 "would start from the written value")
-    return "run again from the same inputs, its forward gives another output (state of its own?)"
+    return None  # no cause found
