@@ -94,7 +94,7 @@ from torchckpt.planner.options_step import measure_options
 from torchckpt.planner.other_blocks import other_blocks_note
 from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
 from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step
-from torchckpt.planner.repeat import unrepeatable_blocks
+from torchckpt.planner.repeat import plain_only, unrepeatable_blocks
 from torchckpt.planner.runner import StepFn, StepRunner
 
 __all__ = ["profile", "HEADROOM_BYTES", "HEADROOM_FRACTION"]
@@ -189,7 +189,8 @@ def profile(
         if group is not None:
             _engine_warm_up(runner, block_list)
         # repeat.py's [a block is recomputed only if it repeats]; by module, as "auto" may reorder the blocks below
-        unrepeatable = {id(block_list[i]): why for i, why in unrepeatable_blocks(runner, block_list).items()}
+        unrepeatable = {} if group is not None else {  # FSDP2 reshards a block's parameters after its forward
+            id(block_list[i]): why for i, why in unrepeatable_blocks(runner, block_list).items()}
         try:
             costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head, pieces)
         except BlockOrderError as error:  # on every rank alike (planner.distributed.same_outcome)
@@ -218,31 +219,6 @@ def profile(
         return costs
     costs = replace(costs, notes={**costs.notes, "engine": str(engine_of(model))})
     return agree_costs(costs, group)  # planner/distributed.py's [ranks agree on the costs]
-
-
-def plain_only(costs: ChainCosts, reasons: dict[int, str]) -> ChainCosts:
-    """``costs`` with the blocks in ``reasons`` (index -> why) planned plain only and no regions, the notes naming
-    them (repeat.py's [a block is recomputed only if it repeats]).
-
-    Example:
-        >>> from torchckpt.planner.costs import BlockCosts
-        >>> block = BlockCosts(name="b", input_bytes=1, output_bytes=1, saved_bytes=1, forward_time_s=0.1)
-        >>> costs = plain_only(ChainCosts(fixed_bytes=0, head_bytes=0, blocks=(block, block)), {1: "why"})
-        >>> costs.blocks[1].plain_only, costs.notes["not recomputed"]
-        ('why', 'block 1 (b): why')
-    """
-    if not reasons:
-        return costs
-    blocks = tuple(replace(block, plain_only=reasons[i]) if i in reasons else block
-                   for i, block in enumerate(costs.blocks))
-    paths = costs.block_paths or tuple(block.name for block in costs.blocks)
-    named = "; ".join(f"block {i} ({paths[i]}): {reason}" for i, reason in sorted(reasons.items()))
-    notes = {**costs.notes, "not recomputed": named}
-    if "regions" not in notes and len(blocks) > 1:
-        notes["regions"] = f"off: {len(reasons)} block(s) may not be recomputed (see 'not recomputed')"
-    # every block checkpointed is no longer a plan, so its measured peak must not stand for the schedule with the
-    # same option indices (a plain-only block's last option is plain): every schedule is predicted by the rules
-    return replace(costs, blocks=blocks, notes=notes, every_block_peak_bytes=0)
 
 
 def _engine_warm_up(runner: StepRunner, block_list: list[nn.Module]) -> None:

@@ -14,7 +14,8 @@ Rules:
    them, and repeats; ``torch.nn.utils.spectral_norm`` reads the vectors it writes, and does not. Off the CPU
    a difference with no cause found (no draw from NumPy or ``random``, no write to its own parameters or
    buffers) is taken for a kernel that is not bitwise repeatable by design (atomics), as torch's checkpoint
-   takes it, and the block stays recomputable.
+   takes it, and the block stays recomputable. Not under DDP or FSDP2 (FSDP2 reshards a block's parameters as
+   its forward ends, before a second run could use them): there every block is taken to repeat.
 2. **[only the pass's own streams move]** The pass leaves the RNG streams, parameters and buffers to the
    profiler's ``preserved_state``; within it, each second run starts and ends with the streams where the
    first run left them, so later blocks draw what they would have drawn.
@@ -23,6 +24,7 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -32,9 +34,10 @@ from torch.utils._pytree import tree_flatten
 
 from torchckpt._host import RngSnapshot
 from torchckpt.executor.outer_writes import UndoOuterWrites
+from torchckpt.planner.from_costs import ChainCosts
 from torchckpt.planner.runner import StepRunner, call_model
 
-__all__ = ["unrepeatable_blocks"]
+__all__ = ["plain_only", "unrepeatable_blocks"]
 
 
 def unrepeatable_blocks(runner: StepRunner, blocks: Sequence[nn.Module]) -> dict[int, str]:
@@ -139,3 +142,28 @@ def _reason(start: RngSnapshot, end: RngSnapshot, before: dict[str, int], after:
         return (f"its forward writes {shown} in place and reads it (a power iteration, say), so recomputation "
                 "would start from the written value")
     return None  # no cause found
+
+
+def plain_only(costs: ChainCosts, reasons: dict[int, str]) -> ChainCosts:
+    """``costs`` with the blocks in ``reasons`` (index -> why) planned plain only and no regions, the notes naming
+    them (repeat.py's [a block is recomputed only if it repeats]).
+
+    Example:
+        >>> from torchckpt.planner.costs import BlockCosts
+        >>> block = BlockCosts(name="b", input_bytes=1, output_bytes=1, saved_bytes=1, forward_time_s=0.1)
+        >>> costs = plain_only(ChainCosts(fixed_bytes=0, head_bytes=0, blocks=(block, block)), {1: "why"})
+        >>> costs.blocks[1].plain_only, costs.notes["not recomputed"]
+        ('why', 'block 1 (b): why')
+    """
+    if not reasons:
+        return costs
+    blocks = tuple(replace(block, plain_only=reasons[i]) if i in reasons else block
+                   for i, block in enumerate(costs.blocks))
+    paths = costs.block_paths or tuple(block.name for block in costs.blocks)
+    named = "; ".join(f"block {i} ({paths[i]}): {reason}" for i, reason in sorted(reasons.items()))
+    notes = {**costs.notes, "not recomputed": named}
+    if "regions" not in notes and len(blocks) > 1:
+        notes["regions"] = f"off: {len(reasons)} block(s) may not be recomputed (see 'not recomputed')"
+    # every block checkpointed is no longer a plan, so its measured peak must not stand for the schedule with the
+    # same option indices (a plain-only block's last option is plain): every schedule is predicted by the rules
+    return replace(costs, blocks=blocks, notes=notes, every_block_peak_bytes=0)
