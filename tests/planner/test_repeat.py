@@ -163,3 +163,20 @@ def test_random_numbers_drawn_between_blocks_turn_regions_off(source: str) -> No
     assert all(not hasattr(piece, "inner") for piece in made.schedule)
     report = torchckpt.verify_plan(model, made, batch)
     assert report.gradients_equal and report.buffers_equal and report.within_budget, report.table()
+
+
+def test_a_forward_that_fails_leaves_no_hook_behind() -> None:
+    """The repeat pass hooks every block; a forward that raises midway must not leave a hook on the user's model."""
+    from torchckpt._host import preserved_state
+    from torchckpt.planner.repeat import unrepeatable_blocks
+    from torchckpt.planner.runner import StepRunner
+
+    class Fails(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("the user's bug")
+
+    model = nn.Sequential(Block(""), Fails())
+    batch = (torch.randn(8, WIDTH),)
+    with preserved_state(model), pytest.raises(RuntimeError, match="the user's bug"):
+        unrepeatable_blocks(StepRunner(model, batch, loss_fn=lambda out: out.sum()), list(model))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

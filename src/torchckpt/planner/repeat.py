@@ -56,9 +56,9 @@ def unrepeatable_blocks(runner: StepRunner, blocks: Sequence[nn.Module]) -> dict
     """
     found: dict[int, str] = {}
     checked: set[int] = set()
-    handles = []
+    handles: list[Any] = []  # the pre-hooks, and each block's one-call forward hook (removed here if it never ran)
     for i, block in enumerate(blocks):
-        handles.append(block.register_forward_pre_hook(_before(i, checked, found), with_kwargs=True))
+        handles.append(block.register_forward_pre_hook(_before(i, checked, found, handles), with_kwargs=True))
     try:
         if runner.step_fn is not None:  # the loop's own forward and backward: it calls backward itself
             runner.forward_backward()
@@ -72,7 +72,7 @@ def unrepeatable_blocks(runner: StepRunner, blocks: Sequence[nn.Module]) -> dict
     return found
 
 
-def _before(i: int, checked: set[int], found: dict[int, str]) -> Callable:
+def _before(i: int, checked: set[int], found: dict[int, str], handles: list[Any]) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         if i in checked:  # the first call of each block is checked
             return
@@ -95,8 +95,8 @@ def _before(i: int, checked: set[int], found: dict[int, str]) -> Callable:
                 if why is not None or not _on_accelerator(output):
                     found[i] = why or "run again from the same inputs, its forward gives another output"
 
-
         handle = module.register_forward_hook(after, with_kwargs=True)
+        handles.append(handle)
     return hook
 
 
