@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["RngSnapshot", "host_bytes", "local_part", "paused_gc", "preserved_rng", "preserved_state"]
+__all__ = ["RngSnapshot", "host_bytes", "host_rng_state", "local_part", "paused_gc", "preserved_rng",
+           "preserved_state", "same_host_rng"]
 
 
 def _dtensor_type() -> type | None:
@@ -120,6 +121,26 @@ class RngSnapshot:
             np.random.set_state(self.numpy)
         if self.python is not None:
             random.setstate(self.python)
+
+
+def host_rng_state() -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """NumPy's global stream (legacy tuple) and Python's ``random``, as ``same_host_rng`` compares them.
+
+    Example:
+        >>> before = host_rng_state()
+        >>> _ = random.random()
+        >>> same_host_rng(before, host_rng_state())
+        False
+    """
+    return tuple(np.random.get_state(legacy=True)), random.getstate()
+
+
+def same_host_rng(a: tuple[tuple[Any, ...], tuple[Any, ...]], b: tuple[tuple[Any, ...], tuple[Any, ...]]) -> bool:
+    """Whether two ``host_rng_state`` readings are equal in every field (a cached Gaussian moves only NumPy's last
+    two)."""
+    (numpy_a, python_a), (numpy_b, python_b) = a, b
+    return python_a == python_b and len(numpy_a) == len(numpy_b) and all(
+        np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(numpy_a, numpy_b))
 
 
 @contextlib.contextmanager

@@ -209,7 +209,7 @@ def other_groupings(model: nn.Module, chosen: Sequence[str]) -> list[tuple[str, 
     found = []
     for cls, entries in kept.items():
         paths = [path for path, _ in entries]
-        if len(paths) >= 2 and paths != list(chosen):
+        if len(paths) >= 2 and set(paths) != set(chosen):
             found.append((f"{cls.__name__} ({len(paths)} blocks)", paths))
     for name, container in model.named_modules():
         children = list(container.named_children())
@@ -218,7 +218,7 @@ def other_groupings(model: nn.Module, chosen: Sequence[str]) -> list[tuple[str, 
                 or any(_weight_layers(child) < 2 for _, child in children)):
             continue
         paths = [f"{name}.{child}" if name else child for child, _ in children]
-        if paths != list(chosen):
+        if set(paths) != set(chosen):
             shown = ", ".join(child for child, _ in children)
             found.append((f"stages {shown} ({name or type(container).__name__})", paths))
     return found

@@ -37,8 +37,8 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
    alive besides its outputs when every block was checkpointed (autocast caches its weights' casts until the
    autocast region ends: a GPT-2 block's bfloat16 weights, measured 3.5% of the step under-predicted without
    it; the RNG state torch's checkpoint stashes). It counts through the backward pass too, an over-count where
-   it is freed at the end of the forward pass, which is safe. A region holds it of its first block only, so
-   the profiler allows no regions where it is more than a quarter of a block's input (``profile``).
+   it is freed at the end of the forward pass, which is safe. A region would hold it for every block inside
+   it, which this model does not count, so the profiler allows no regions where any block leaves any (``profile``).
    A checkpointed block also holds ``freed_side_input_bytes``: its other tensor inputs (positional and
    keyword; each storage once, the first input's excluded) whose storage the plain step has already
    freed when the block's backward pass begins, such as an encoder output or a position bias read only
@@ -217,6 +217,7 @@ class BlockCosts:
                             backward_peak_bytes=self.backward_peak_bytes,
                             recompute_peak_bytes=self.recompute_peak_bytes,
                             freed_side_input_bytes=self.freed_side_input_bytes,
+                            checkpoint_residue_bytes=self.checkpoint_residue_bytes,
                             nested_held_bytes=self.nested_held_bytes)
         object.__setattr__(self, "ops", tuple(op if isinstance(op, OpCosts) else OpCosts(**op) for op in self.ops))
 

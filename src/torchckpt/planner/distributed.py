@@ -204,7 +204,8 @@ def _numbers(costs: ChainCosts) -> list[float]:
     for b in costs.blocks:
         values += [b.input_bytes, b.output_bytes, b.saved_bytes, b.forward_time_s, b.forward_peak_bytes,
                    b.backward_peak_bytes, b.recompute_peak_bytes, float(b.input_held_when_plain),
-                   b.freed_side_input_bytes, b.nested_recompute_peak_bytes, b.nested_held_bytes]
+                   b.freed_side_input_bytes, b.nested_recompute_peak_bytes, b.nested_held_bytes,
+                   float(b.has_backward), b.checkpoint_residue_bytes]
         for op in b.ops:
             values += [op.output_bytes, op.time_s]
     return [float(v) for v in values]
@@ -226,7 +227,8 @@ def _rebuild(costs: ChainCosts, numbers: list[float], notes: dict[str, str]) -> 
         block.update(input_bytes=whole(), output_bytes=whole(), saved_bytes=whole(), forward_time_s=next(it),
                      forward_peak_bytes=whole(), backward_peak_bytes=whole(), recompute_peak_bytes=whole(),
                      input_held_when_plain=next(it) > 0, freed_side_input_bytes=whole(),
-                     nested_recompute_peak_bytes=whole(), nested_held_bytes=whole())
+                     nested_recompute_peak_bytes=whole(), nested_held_bytes=whole(),
+                     has_backward=next(it) > 0, checkpoint_residue_bytes=whole())
         for op in block["ops"]:
             op.update(output_bytes=whole(), time_s=next(it))
     data["notes"] = notes

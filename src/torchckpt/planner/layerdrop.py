@@ -32,10 +32,10 @@ def _layerdrop_attributes(model: nn.Module) -> list[tuple[Any, str, float]]:
             if owner is None or id(owner) in seen:
                 continue
             seen.add(id(owner))
-            for name, value in list(vars(owner).items()):
-                if ("layerdrop" in name.lower() and isinstance(value, (int, float)) and not isinstance(value, bool)
-                        and value > 0):
-                    found.append((owner, name, float(value)))
+            attributes = getattr(owner, "__dict__", None)  # a config may be a dict or have slots: not one of these
+            for name, value in list((attributes or {}).items()):
+                if "layerdrop" in name.lower() and isinstance(value, float) and 0 < value <= 1:  # a probability
+                    found.append((owner, name, value))
     return found
 
 

@@ -9,18 +9,17 @@ into a cost model; nothing here decides anything.
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from torchckpt._host import host_rng_state, same_host_rng
 from torchckpt.executor.policies import TAG_STATE
 from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner.blocks import block_paths, describe_paths, positional_form, structure_key
@@ -139,7 +138,7 @@ class Probe:
             if self.recorder is not None:
                 self.recorder.block, self.recorder.block_index = None, None
                 self.recorder.between = i if i < len(self.blocks) - 1 else None
-                self._host_rng = _host_rng_state()
+                self._host_rng = host_rng_state()
                 TAG_STATE.active_regions -= 1
                 self._check_output(i, output)
             y = _first_tensor(output)
@@ -168,7 +167,8 @@ class Probe:
             problems.append(f"block {i} runs with {now}, block {i - 1} with {then} (a no_grad section?): a region "
                             "runs its blocks alike")
         self._modes = modes
-        if i > 0 and not problems and self._host_rng is not None and not _same_host_rng(self._host_rng):
+        moved = self._host_rng is not None and not same_host_rng(self._host_rng, host_rng_state())
+        if i > 0 and not problems and moved:
             problems.append(f"the model draws from NumPy's or Python's random generator between blocks {i - 1} and "
                             f"{i}, which a region would draw after its blocks' own")
         if i > 0 and not problems:
@@ -348,18 +348,6 @@ def _grad_modes() -> tuple[bool, bool]:
     """Whether gradients are recorded and autocast is on (any device) where a block is called."""
     autocast = torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu")
     return torch.is_grad_enabled(), bool(autocast)
-
-
-def _host_rng_state() -> tuple[Any, Any]:
-    """NumPy's and Python's global RNG positions, to compare (``_same_host_rng``)."""
-    return np.random.get_state(legacy=True), random.getstate()
-
-
-def _same_host_rng(before: tuple[Any, Any]) -> bool:
-    numpy_before, python_before = before
-    numpy_now: Any = np.random.get_state(legacy=True)
-    return (python_before == random.getstate() and numpy_before[2] == numpy_now[2]
-            and np.array_equal(numpy_before[1], numpy_now[1]))
 
 
 def _paths_or_names(model: nn.Module, blocks: Sequence[nn.Module]) -> list[str]:

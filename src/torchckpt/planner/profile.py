@@ -1,15 +1,17 @@
 """Measure a model into a cost model (``from_costs.ChainCosts``). Measures only; decides nothing.
 
-One file on purpose (~440 lines): the block hooks, the op recorder and the assembly of the costs all
-read the marks of the same measured steps; split, each part would need the others' internals.
+The block hooks (``probe.py``), the op recorder (``recorder.py``) and the assembly of the costs here all read
+the marks of the same measured steps.
 
 How each figure of ``costs.py`` is obtained (the names of that module's rules in brackets):
 
 1. **[two measured steps]** Two real training steps run under a ``MemoryMeter``: one with every block
    checkpointed (keep nothing), which is also the warm-up (the optimizer's state is created after it, so
    its figures are taken relative to its own ``fixed``), then one plain. Hooks mark each block's forward
-   (pre/post hooks) and backward (a gradient hook on the block's output marks its start, one on its input
-   its end); the meter's peak is read between marks. The first step's peak at the marks, on the plain
+   (pre/post hooks) and backward (a gradient hook on the block's output marks its start, and its window stays
+   open until the next block's starts, so what runs between two blocks' backward passes counts in the first;
+   block 0's ends at its input's gradient, where [backward-end peak] begins); the meter's peak is read between
+   marks. The first step's peak at the marks, on the plain
    step's ``fixed``, is ``every_block_peak_bytes`` (costs.py's [measured schedules are predicted as
    measured]). Then two bare steps (no meter, no hooks, no recorder) are timed: a plain one
    (``step_time_s``) and one with every block checkpointed (``every_block_step_time_s``).
@@ -42,7 +44,10 @@ How each figure of ``costs.py`` is obtained (the names of that module's rules in
    of the forwards, equals the measured ``every_block_step_time_s - step_time_s`` (hooks, the meter and
    the recorder slow the marked steps down, and the first step also warms up). Profiling runs five
    training steps at most (the fifth, a region, measures ``region_recompute_bytes``), eight under DDP
-   or FSDP2 (three warm-up steps first: [the distributed engine warms up unmeasured]).
+   or FSDP2 (three warm-up steps first: [the distributed engine warms up unmeasured]), plus: one forward pass
+   without gradients first (repeat.py's [a block is recomputed only if it repeats]), an unmeasured step with
+   ``micro_batches`` > 1 or the optimizer in the backward pass, the options step (``options_step.py``), and up
+   to three steps for other groupings (other_blocks.py's [a much lower floor elsewhere is named]).
 5. **[a region must be exact]** A region (``apply.wrap_region``) runs its blocks from its first block's
    arguments, passing each the previous one's hidden state (the output, or its first item when a tuple),
    and its other blocks return the region's output: its hidden state, and the other items of the last
@@ -52,7 +57,9 @@ How each figure of ``costs.py`` is obtained (the names of that module's rules in
    starting with one whose other items have the same structure as the previous block's, and no forward
    op (the recorder watches every op of the step) reads a block's output, except the last block's,
    anywhere but the next block: neither its hidden state elsewhere nor its other tensors anywhere. A
-   U-Net encoder whose blocks return ``(h, skip)`` fails the last test. Otherwise ``chain`` is False:
+   U-Net encoder whose blocks return ``(h, skip)`` fails the last test. Nor may random numbers be drawn between
+   two blocks (torch's, NumPy's or ``random``'s: a region would draw them after its blocks' own), nor blocks be
+   called under different grad or autocast modes. Otherwise ``chain`` is False:
    plans have single blocks only, ``notes["chain"]`` and the plan's ``notes["regions"]`` say why, and
    the reason is logged (``logging``, "torchckpt", INFO).
 """
@@ -189,7 +196,7 @@ def profile(
         if group is not None:
             _engine_warm_up(runner, block_list)
         # repeat.py's [a block is recomputed only if it repeats]; by module, as "auto" may reorder the blocks below
-        unrepeatable = {} if group is not None else {  # FSDP2 reshards a block's parameters after its forward
+        unrepeatable = {} if engine_of(model) == "FSDP2" else {  # FSDP2 reshards a block's parameters after its forward
             id(block_list[i]): why for i, why in unrepeatable_blocks(runner, block_list).items()}
         try:
             costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head, pieces)
@@ -320,9 +327,6 @@ def _region_residue(runner: StepRunner, blocks: list[nn.Module], costs: ChainCos
     return max(0, meter.peak_bytes - int(predicted)) + max(block.output_bytes for block in costs.blocks)
 
 
-RESIDUE_SHARE = 0.25  # a checkpointed block leaving more than this share of its input alive makes no region
-
-
 def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_times_s: tuple[float, float],
               names: list[str]) -> ChainCosts:
     traces, n = plain.traces, len(plain.traces)
@@ -389,7 +393,7 @@ def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_times_s:
                        chain=chain, margin_bytes=margin, every_block_step_time_s=every_block_step_s,
                        notes={"chain": chain_note, "recompute_time_scale": time_note,
                               "headroom_bytes": "0"})  # fixed_bytes holds none now (margin_bytes); for old readers
-    left = [i for i, b in enumerate(blocks) if b.checkpoint_residue_bytes > RESIDUE_SHARE * b.input_bytes]
+    left = [i for i, b in enumerate(blocks) if b.checkpoint_residue_bytes > 0]
     if chain and left:  # costs.py's [what a piece holds]: a region would hold every inside block's residue
         costs = replace(costs, notes={**costs.notes, "regions": (
             f"off: checkpointed, block {left[0]} leaves {blocks[left[0]].checkpoint_residue_bytes} bytes alive after "

@@ -5,17 +5,19 @@ Rules:
 1. **[a block is recomputed only if it repeats]** Recomputation runs a block's forward again in the backward
    pass with torch's RNG streams as they were at its forward (executor/checkpoint.py's [recomputation replays
    the RNG]) and everything else as the forward left it: what it wrote in place (a spectral norm's
-   power-iteration vectors, a counter), NumPy's and Python's global RNG streams. Before the measured steps the
-   profiler runs one forward pass without gradients in which every block, right after its forward, runs again
+   power-iteration vectors, a counter buffer), NumPy's and Python's global RNG streams. Before the measured steps
+   the profiler runs one forward pass without gradients and watches each block's forward: one that writes its
+   own parameters or buffers (their version counters move) or draws from NumPy or ``random`` runs again at once
    as recomputation would: torch's streams set back to where its forward began, what it wrote left written, and
-   what the second run writes undone (executor/checkpoint.py's [recomputation leaves buffers alone]). A block
-   whose two outputs are not bitwise equal is planned plain, never recomputed and never inside a region, and
-   the plan's notes name it and why. A BatchNorm in training writes its running statistics but does not read
-   them, and repeats; ``torch.nn.utils.spectral_norm`` reads the vectors it writes, and does not. Off the CPU
-   a difference with no cause found (no draw from NumPy or ``random``, no write to its own parameters or
-   buffers) is taken for a kernel that is not bitwise repeatable by design (atomics), as torch's checkpoint
-   takes it, and the block stays recomputable. Not under DDP or FSDP2 (FSDP2 reshards a block's parameters as
-   its forward ends, before a second run could use them): there every block is taken to repeat.
+   what the second run writes undone (executor/checkpoint.py's [recomputation leaves buffers alone]). If the two
+   outputs are not bitwise equal the block is planned plain, never recomputed and never inside a region, and the
+   plan's notes name it and why. A BatchNorm in training writes its running statistics but does not read them,
+   and repeats; ``torch.nn.utils.spectral_norm`` reads the vectors it writes, and does not. Blocks that do
+   neither are not run again (the pass costs one forward without gradients); state a block keeps outside
+   tensors (a Python counter) is not seen, and ``verify_plan`` is what would catch it. Not under FSDP2 (it
+   reshards a block's parameters as its forward ends, before a second run could use them): there every block is
+   taken to repeat. With a ``step_fn`` the pass is the loop's whole step, and each second run is without
+   gradients.
 2. **[only the pass's own streams move]** The pass leaves the RNG streams, parameters and buffers to the
    profiler's ``preserved_state``; within it, each second run starts and ends with the streams where the
    first run left them, so later blocks draw what they would have drawn.
@@ -27,12 +29,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from torchckpt._host import RngSnapshot
+from torchckpt._host import RngSnapshot, same_host_rng
 from torchckpt.executor.outer_writes import UndoOuterWrites
 from torchckpt.planner.from_costs import ChainCosts
 from torchckpt.planner.runner import StepRunner, call_model
@@ -84,16 +85,20 @@ def _before(i: int, checked: set[int], found: dict[int, str], handles: list[Any]
         def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             handle.remove()
             end = RngSnapshot.capture(host=True)
+            written = _versions(module)
+            if _reason(start, end, versions, written) is None:  # nothing that recomputation would not replay
+                return
             RngSnapshot(cpu=start.cpu, cuda=start.cuda).restore()  # torch's streams only, as recomputation does
             try:
-                with UndoOuterWrites():
+                with UndoOuterWrites(), torch.no_grad():
                     again = module.forward(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - any failure to run again is a reason not to recompute
+                found[i] = f"run again from the same inputs, its forward raised {type(error).__name__}: {error}"
+                return
             finally:
                 end.restore()
             if not _same(output, again):
-                why = _reason(start, end, versions, _versions(module))
-                if why is not None or not _on_accelerator(output):
-                    found[i] = why or "run again from the same inputs, its forward gives another output"
+                found[i] = _reason(start, end, versions, written) or "its forward gives another output run again"
 
         handle = module.register_forward_hook(after, with_kwargs=True)
         handles.append(handle)
@@ -123,18 +128,10 @@ def _same(first: Any, second: Any) -> bool:
     return True
 
 
-def _on_accelerator(output: Any) -> bool:
-    """Whether the block's output lives off the CPU, where some kernels (atomics: ``index_add_``, scatters) are
-    not bitwise repeatable by design, as torch.utils.checkpoint accepts: there an unexplained difference is no
-    reason to keep a block plain."""
-    return any(isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu" for leaf in tree_flatten(output)[0])
-
-
 def _reason(start: RngSnapshot, end: RngSnapshot, before: dict[str, int], after: dict[str, int]) -> str | None:
     written = [name for name, version in after.items() if before.get(name) != version]
-    assert start.numpy is not None and end.numpy is not None
-    host_drawn = start.python != end.python or not np.array_equal(start.numpy[1], end.numpy[1]) \
-        or start.numpy[2] != end.numpy[2]
+    assert start.numpy is not None and end.numpy is not None and start.python is not None and end.python is not None
+    host_drawn = not same_host_rng((start.numpy, start.python), (end.numpy, end.python))
     if host_drawn:
         return "its forward draws from NumPy's or Python's random generator, which recomputation would not replay"
     if written:

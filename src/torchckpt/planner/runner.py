@@ -207,8 +207,10 @@ class StepRunner:
 
     def _user_step(self, step_fn: StepFn) -> torch.Tensor | None:
         trained = [p for p in self.model.parameters() if p.requires_grad]
+        before = [None if p.grad is None else (id(p.grad), p.grad._version) for p in trained]
         result = step_fn(self.model, self.example_inputs)
-        if trained and all(p.grad is None for p in trained):
+        after = [None if p.grad is None else (id(p.grad), p.grad._version) for p in trained]
+        if trained and before == after:  # no gradient made or added to (later micro-batches find zeros there)
             raise ValueError("step_fn left no gradient in the model's parameters: it must call loss.backward() "
                              "itself (and neither step an optimizer nor zero the gradients)")
         self._note_grads()
