@@ -11,8 +11,9 @@ Rules:
    (``blocks.other_groupings``, at most ``MAX_GROUPINGS``), with every block of it checkpointed, and names each
    whose peak is at least ``BETTER_BY`` of the plain peak lower, with the ``blocks=`` argument to pass, in the
    plan's notes and the infeasible-budget error. Nothing is chosen for the user: the blocks are theirs to pass.
-   Where the fixed bytes (parameters, gradients, optimizer state) leave less than ``BETTER_BY`` of the plain peak
-   above them, no grouping can do that much better, and none is measured.
+   What another grouping can win is mostly what lives outside the blocks found: where the fixed bytes
+   (``costs.fixed_bytes``) exceed the parameters, their gradients and the optimizer's state by less than
+   ``BETTER_BY`` of the plain peak, none is measured.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ BETTER_BY = 0.1  # another grouping is named when it measures this share of the 
 MAX_GROUPINGS = 3
 
 
-def other_blocks_note(runner: StepRunner, chosen: Sequence[str], every_block_peak: int, plain_peak: int) -> str | None:
+def other_blocks_note(runner: StepRunner, chosen: Sequence[str], every_block_peak: int, plain_peak: int,
+                      fixed_bytes: int) -> str | None:
     """The note naming the groupings that measure much lower than ``chosen`` ([a much lower floor elsewhere is
     named]); None when the blocks found already do well, or no other grouping does better. Runs at most
     ``MAX_GROUPINGS`` measured steps; the caller restores the model's state (``preserved_state``).
@@ -43,13 +45,13 @@ def other_blocks_note(runner: StepRunner, chosen: Sequence[str], every_block_pea
         >>> from torchckpt.models import gpt
         >>> model = gpt("tiny")
         >>> runner = StepRunner(model, model.example_batch(batch_size=2, seq_len=16))
-        >>> other_blocks_note(runner, ["blocks.0", "blocks.1"], every_block_peak=50, plain_peak=100) is None
+        >>> other_blocks_note(runner, ["blocks.0"], every_block_peak=50, plain_peak=100, fixed_bytes=10) is None
         True
     """
     if plain_peak <= 0 or every_block_peak <= HIGH_SHARE * plain_peak:
         return None
-    if every_block_peak - _state_bytes(runner) < BETTER_BY * plain_peak:  # parameters, gradients and optimizer
-        return None  # state dominate: no grouping goes below them, so none can be that much lower
+    if fixed_bytes - _state_bytes(runner) < BETTER_BY * plain_peak:  # little is alive outside the blocks found
+        return None  # beyond parameters, gradients and optimizer state: no other grouping can win that much
     model = runner.model
     found = []
     for description, paths in other_groupings(model, chosen)[:MAX_GROUPINGS]:

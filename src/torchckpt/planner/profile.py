@@ -203,15 +203,15 @@ def profile(
         except BlockOrderError as error:  # on every rank alike (planner.distributed.same_outcome)
             if not (isinstance(blocks, str) and blocks == "auto"):
                 raise
-            # "auto" lists the blocks in named_modules order; a model may run them in another (diffusers'
-            # AutoencoderKL registers its decoder's up blocks before the mid block it runs first): take
-            # the order they ran in, which the failed step measured, and profile again.
+            # "auto" lists the blocks in named_modules order; a model may run them in another (diffusers' AutoencoderKL
+            # registers its decoder's up blocks before the mid block it runs first): profile again in their order.
             block_list = [block_list[k] for k in error.ran]
             runner.clear_grads()
             costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head, pieces)
         if isinstance(blocks, str) and group is None:  # other_blocks.py's [a much lower floor elsewhere is named]
-            plain_peak, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
-            other = other_blocks_note(runner, costs.block_paths, costs.every_block_peak_bytes, int(plain_peak))
+            plain, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
+            peak = costs.every_block_peak_bytes
+            other = other_blocks_note(runner, costs.block_paths, peak, int(plain), costs.fixed_bytes)
             if other is not None:
                 costs = replace(costs, notes={**costs.notes, "other blocks": other})
     if skipping is not None and "regions" not in costs.notes:  # layerdrop.py's [every block runs while measuring]
