@@ -15,7 +15,7 @@ from torchckpt.planner.runner import StepRunner
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("budget", ["100%", "95%"])
+@pytest.mark.parametrize("budget", ["100%", pytest.param("95%", marks=pytest.mark.slow)])
 def test_t5_with_adamw_measures_as_predicted(budget: str) -> None:
     pytest.importorskip("transformers")
     entry = get_model("hf-t5-tiny")

@@ -44,7 +44,7 @@ def _batch() -> tuple[torch.Tensor]:
     return (torch.randn(512, WIDTH, generator=torch.Generator().manual_seed(1)),)
 
 
-@pytest.mark.parametrize("seed", [0, 1, *(pytest.param(seed, marks=pytest.mark.slow) for seed in (2, 3))])
+@pytest.mark.parametrize("seed", [0, *(pytest.param(seed, marks=pytest.mark.slow) for seed in (1, 2, 3))])
 def test_layerdrop_is_off_while_measuring_and_the_plan_holds_on_steps_that_skip(seed: int) -> None:
     torch.manual_seed(seed)
     model = Dropping("layerdrop", 0.3)

@@ -72,9 +72,10 @@ def _same_streams(a: tuple, b: tuple) -> bool:
 
 @pytest.mark.parametrize(("kind", "why"), [
     ("spectral_norm", "writes linear.weight_u"),
-    ("parametrizations.spectral_norm", "writes linear.parametrizations.weight.0._u"),
+    pytest.param("parametrizations.spectral_norm", "writes linear.parametrizations.weight.0._u",
+                 marks=pytest.mark.slow),
     ("numpy", "draws from NumPy's or Python's random generator"),
-    ("random", "draws from NumPy's or Python's random generator"),
+    pytest.param("random", "draws from NumPy's or Python's random generator", marks=pytest.mark.slow),
 ])
 def test_a_block_that_does_not_repeat_is_planned_plain_and_the_plan_says_why(kind: str, why: str) -> None:
     torch.manual_seed(0)
