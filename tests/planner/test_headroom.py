@@ -66,7 +66,9 @@ def test_a_budget_at_the_measured_every_block_peak_is_feasible_and_holds(build) 
     report = torchckpt.verify_plan(model, plan, batch)
     assert report.within_budget and report.gradients_equal, (report.table(), plan.table())
     gc.collect()
-    costs = profile(model, batch)
+    # without the options that go below checkpointing every block (the chunked loss head, pieces nested in a
+    # block: issue 27), every block checkpointed is the floor
+    costs = profile(model, batch, loss_head=False, pieces=False)
     assert costs.every_block_peak_bytes == measured
     assert solver.floor_bytes(costs, margin_bytes=costs.margin_bytes) <= measured
     with pytest.raises(torchckpt.InfeasibleBudgetError):
