@@ -61,6 +61,16 @@ def _at_floor(model: nn.Module, batch: tuple) -> torchckpt.Plan:
     return torchckpt.plan(model, batch, error.value.floor_bytes)
 
 
+def _batch() -> tuple[torch.Tensor]:
+    return (torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1)),)
+
+
+def _verified(model: nn.Module, made: torchckpt.Plan, batch: tuple) -> None:
+    """Within budget, gradients and buffers bitwise equal to the model without checkpointing."""
+    report = torchckpt.verify_plan(model, made, batch)
+    assert report.gradients_equal and report.buffers_equal and report.within_budget, (report.table(), made.table())
+
+
 def _host_streams() -> tuple:
     state = np.random.get_state()
     return state[1].copy(), state[2], random.getstate()
@@ -80,7 +90,7 @@ def _same_streams(a: tuple, b: tuple) -> bool:
 def test_a_block_that_does_not_repeat_is_planned_plain_and_the_plan_says_why(kind: str, why: str) -> None:
     torch.manual_seed(0)
     model = Stack(kind)
-    batch = (torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1)),)
+    batch = _batch()
     np.random.seed(5)
     random.seed(5)
     streams = _host_streams()
@@ -102,12 +112,11 @@ def test_a_block_that_does_not_repeat_is_planned_plain_and_the_plan_says_why(kin
 def test_blocks_that_repeat_are_recomputed_batch_norm_included(kind: str) -> None:
     torch.manual_seed(0)
     model = Stack(kind)
-    batch = (torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1)),)
+    batch = _batch()
     made = _at_floor(model, batch)
     assert "not recomputed" not in made.notes
     assert all(not getattr(piece, "plain", False) for piece in made.schedule), made.table()
-    report = torchckpt.verify_plan(model, made, batch)
-    assert report.gradients_equal and report.buffers_equal and report.within_budget, report.table()
+    _verified(model, made, batch)
 
 
 def test_what_torch_checkpoint_gets_wrong_here_is_real() -> None:
@@ -158,12 +167,11 @@ class DrawsBetween(nn.Module):
 def test_random_numbers_drawn_between_blocks_turn_regions_off(source: str) -> None:
     torch.manual_seed(0)
     model = DrawsBetween(source)
-    batch = (torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1)),)
+    batch = _batch()
     made = _at_floor(model, batch)
     assert "draws" in made.notes["regions"] and "between blocks 0 and 1" in made.notes["regions"], made.notes
     assert all(not hasattr(piece, "inner") for piece in made.schedule)
-    report = torchckpt.verify_plan(model, made, batch)
-    assert report.gradients_equal and report.buffers_equal and report.within_budget, report.table()
+    _verified(model, made, batch)
 
 
 def test_a_forward_that_fails_leaves_no_hook_behind() -> None:
