@@ -34,7 +34,7 @@ def _check(records: list[dict], budgets: int) -> list[dict]:
     return records
 
 
-@pytest.mark.parametrize("budgets", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("budgets", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_fsdp2_two_ranks_budgets_from_the_floor(budgets: int) -> None:
     records = _check(prove("fsdp", "gpt-mini", 2, budgets), budgets)
     for record in records:
@@ -42,14 +42,15 @@ def test_fsdp2_two_ranks_budgets_from_the_floor(budgets: int) -> None:
         for item in record["plans"]:
             # recomputation runs inside each unit's backward, after its all-gather: the plan adds none
             assert item["all_gathers_planned"] == item["all_gathers_plain"] > 0
-    floor, top = records[0]["plans"][0], records[0]["plans"][-1]
-    assert floor["measured_peak_bytes"] < 0.5 * top["measured_peak_bytes"]  # the plans do free memory
+    floor = records[0]["plans"][0]
+    assert floor["measured_peak_bytes"] < 0.5 * floor["no_checkpointing_peak_bytes"]  # the plans do free memory
     assert any(piece for piece in json.loads(floor["plan"])["schedule"])
     assert Plan.from_json(floor["plan"]).budget_bytes == floor["budget_bytes"]
 
 
 @pytest.mark.parametrize(("kind", "model", "budgets"), [
-    ("ddp", "gpt-mini", 2), ("ddp-static", "gpt-tiny", 1),
+    ("ddp", "gpt-tiny", 1), ("ddp-static", "gpt-tiny", 1),
+    pytest.param("ddp", "gpt-mini", 2, marks=pytest.mark.slow),
     pytest.param("ddp-static", "gpt-mini", 2, marks=pytest.mark.slow)])
 def test_ddp_plans(kind: str, model: str, budgets: int) -> None:
     records = _check(prove(kind, model, 2, budgets), budgets)

@@ -94,7 +94,8 @@ def test_the_meter_lets_compiled_code_run_and_sees_its_ops() -> None:
     assert meter.peak_bytes == 2 * 4096  # sin's output and cos's output were alive together
 
 
-@pytest.mark.parametrize("how", ["whole", "module.compile per block", "torch.compile per block"])
+@pytest.mark.parametrize("how", ["whole", pytest.param("module.compile per block", marks=pytest.mark.slow),
+                                 "torch.compile per block"])
 def test_a_plan_runs_compiled_within_budget_with_the_compiled_gradients(how: str) -> None:
     model, batch = _gpt()
 

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from torchckpt.train import read_losses
 
 TINY = ["--size", "tiny", "--batch-size", "4", "--seq-len", "64", "--save-every", "2", "--budget", "100%"]
@@ -28,6 +30,19 @@ def _train(*args: str) -> subprocess.CompletedProcess:
     return done
 
 
+def test_two_processes_stop_and_resume_under_a_plan_bitwise(tmp_path: Path) -> None:
+    """The fast tier's case: 2 steps, stopped, resumed to 4 under a plan, equal to an unplanned run of 4."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    _train("--nproc", "2", *TINY, "--steps", "4", "--dir", str(whole))
+    _train("--nproc", "2", *TINY, "--budget", "75%", "--steps", "2", "--dir", str(split))
+    resumed = _train("--nproc", "2", *TINY, "--budget", "75%", "--steps", "4", "--dir", str(split))
+    assert "resumed from" in resumed.stdout and "step-000000002" in resumed.stdout
+    assert read_losses(split) == read_losses(whole) and len(read_losses(whole)) == 4
+    summary = json.loads((split / "summary.json").read_text())  # the largest peak over the ranks
+    assert summary["predicted_extra_s"] > 0 and summary["peak_bytes"] <= summary["budget_bytes"], summary
+
+
+@pytest.mark.slow  # the fast tier has test_two_processes_stop_and_resume_under_a_plan_bitwise
 def test_two_processes_save_and_resume_bitwise(tmp_path: Path) -> None:
     whole, split = tmp_path / "whole", tmp_path / "split"
     _train("--nproc", "2", *TINY, "--steps", "6", "--dir", str(whole))
