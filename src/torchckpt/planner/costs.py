@@ -117,7 +117,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["OpCosts", "BlockCosts", "CostModel"]
+__all__ = ["OpCosts", "BlockCosts", "CostModel", "STATE_PARTS"]
+
+STATE_PARTS = ("parameters", "gradients", "optimizer_state")  # CostModel.state_bytes' keys (StepRunner.state_bytes)
 
 _Model = TypeVar("_Model", bound="CostModel")
 
@@ -237,7 +239,9 @@ class CostModel:
     plans that were not measured,
     [a margin only where a plan was not measured]); ``block_paths`` and ``fingerprint`` (the model's
     block module paths and ``plan.fingerprint``, recorded by ``profile`` so that ``ChainCosts.plan`` can make
-    plans from these costs alone).
+    plans from these costs alone); ``state_bytes`` (what training keeps whatever the plan, for messages only:
+    ``parameters``, ``gradients``, ``optimizer_state``, ``StepRunner.state_bytes``; parameters and optimizer state
+    are inside ``fixed_bytes``, gradients arise in the backward pass; empty where not recorded).
 
     Example:
         >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
@@ -263,9 +267,14 @@ class CostModel:
     measured: bool = True
     optimizer_in_backward: bool = False
     micro_batches: int = 1
+    state_bytes: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
+        if not isinstance(self.state_bytes, dict) or not set(self.state_bytes) <= set(STATE_PARTS) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in self.state_bytes.values()):
+            raise ValueError(f"{kind}.state_bytes must map some of {STATE_PARTS} to int byte counts >= 0; "
+                             f"got {self.state_bytes!r}")
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise ValueError(f"{kind}.micro_batches must be an int >= 1; got {self.micro_batches!r}")
         _check_loss_head(kind, self.loss_head)

@@ -14,7 +14,7 @@ from typing import Any
 from torchckpt._units import format_bytes, parse_bytes, parse_percent
 from torchckpt.planner import solve as solver
 from torchckpt.planner.costs import BlockCosts, CostModel
-from torchckpt.planner.infeasible import with_paths
+from torchckpt.planner.infeasible import name_paths, with_paths
 from torchckpt.planner.plan import Plan, PlannedBlock, PlannedRegion, PlanPiece
 
 __all__ = ["ChainCosts", "check_margin_form", "floor_over_options", "head_options", "loss_head_note",
@@ -228,6 +228,8 @@ def plan_from_costs(costs: CostModel, budget: int | str, *, block_paths: Sequenc
     head_note = loss_head_note(costs, chosen=bool(head))
     if head_note:
         notes["loss head"] = head_note
+    notes["floor"] = name_paths(floor_note(costs, allow_regions=no_regions is None, margin_bytes=margin_bytes),
+                                block_paths)
     return Plan(budget_bytes=budget_bytes, predicted_peak_bytes=int(solution.predicted_peak_bytes),
                 predicted_extra_time_s=float(extra_time),
                 schedule=plan_pieces(solution.schedule, menus, option), block_paths=tuple(block_paths),
@@ -257,6 +259,28 @@ def head_options(costs: CostModel) -> list[tuple[CostModel, dict[str, Any]]]:
         chunked = replace(costs, head_bytes=entry["head_bytes"], every_block_peak_bytes=0, measured=False)
         options.append((chunked, {"path": entry["path"], "chunk_tokens": entry["chunk_tokens"]}))
     return options
+
+
+def floor_note(costs: CostModel, *, allow_regions: bool, margin_bytes: int) -> str:
+    """What a plan's table says of the floor (the least budget any plan fits, over ``head_options``): its size,
+    its share of the no-checkpointing peak, what it is made of and what would lower it (solve's
+    ``describe_floor``).
+
+    Example:
+        >>> from torchckpt.planner.costs import BlockCosts
+        >>> block = BlockCosts(name="b", input_bytes=10, output_bytes=10, saved_bytes=30, forward_time_s=0.1)
+        >>> floor_note(ChainCosts(fixed_bytes=100, head_bytes=0, blocks=(block,)), allow_regions=True,
+        ...            margin_bytes=0).split(" = ")[0]
+        '150 B (100% of the no-checkpointing peak; the least budget any plan fits)'
+    """
+    told = [(*solver.describe_floor(option, allow_regions=allow_regions, margin_bytes=margin_bytes), head)
+            for option, head in head_options(costs)]
+    floor, text, head = min(told, key=lambda entry: entry[0])
+    plain, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
+    share = f"{floor / plain:.0%} of the no-checkpointing peak; " if plain else ""
+    size, parts = text.split(" = ", 1)
+    chunked = f", with {head['path']} in chunks" if head else ""
+    return f"{size} ({share}the least budget any plan fits{chunked}) = {parts}"
 
 
 def floor_over_options(costs: CostModel, *, allow_regions: bool, margin_bytes: int) -> int:

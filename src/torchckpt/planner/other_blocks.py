@@ -50,8 +50,8 @@ def other_blocks_note(runner: StepRunner, chosen: Sequence[str], every_block_pea
     """
     if plain_peak <= 0 or every_block_peak <= HIGH_SHARE * plain_peak:
         return None
-    if fixed_bytes - _state_bytes(runner) < BETTER_BY * plain_peak:  # little is alive outside the blocks found
-        return None  # beyond parameters, gradients and optimizer state: no other grouping can win that much
+    if fixed_bytes - sum(runner.state_bytes().values()) < BETTER_BY * plain_peak:  # little alive outside the blocks
+        return None  # found beyond parameters, gradients and optimizer state: no other grouping can win that much
     model = runner.model
     found = []
     for description, paths in other_groupings(model, chosen)[:MAX_GROUPINGS]:
@@ -64,17 +64,6 @@ def other_blocks_note(runner: StepRunner, chosen: Sequence[str], every_block_pea
                       f"{paths!r}]" for peak, description, paths in sorted(found))
     return (f"the blocks found, every one checkpointed, measured {every_block_peak / plain_peak:.0%} of the "
             f"no-checkpointing peak; other blocks measured lower: {shown}")
-
-
-def _state_bytes(runner: StepRunner) -> int:
-    """Parameters, their gradients-to-be and the optimizer's state: what no choice of blocks lowers."""
-    params = list(runner.model.parameters())
-    total = sum(p.untyped_storage().nbytes() for p in params)
-    total += sum(p.untyped_storage().nbytes() for p in params if p.requires_grad)
-    if runner.optimizer is not None:
-        total += sum(value.untyped_storage().nbytes() for state in runner.optimizer.state.values()
-                     for value in state.values() if isinstance(value, torch.Tensor))
-    return total
 
 
 def _every_block_peak(runner: StepRunner, blocks: list[nn.Module]) -> int:

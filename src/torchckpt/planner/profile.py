@@ -214,6 +214,7 @@ def profile(
             other = other_blocks_note(runner, costs.block_paths, peak, int(plain), costs.fixed_bytes)
             if other is not None:
                 costs = replace(costs, notes={**costs.notes, "other blocks": other})
+        costs = replace(costs, state_bytes=runner.state_bytes())  # the optimizer's state exists by now
     if skipping is not None and "regions" not in costs.notes:  # layerdrop.py's [every block runs while measuring]
         costs = replace(costs, notes={**costs.notes, "regions": skipping})
     costs = plain_only(costs, {i: unrepeatable[id(block)] for i, block in enumerate(block_list)

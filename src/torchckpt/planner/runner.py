@@ -224,6 +224,30 @@ class StepRunner:
         for param in self._grad_params:
             param.grad = torch.zeros_like(param)
 
+    def state_bytes(self) -> dict[str, int]:
+        """What training keeps whatever the plan: ``parameters``, ``gradients`` (those of trainable parameters,
+        once all exist) and ``optimizer_state``, each storage counted once (a tied weight once; a sharded
+        parameter by its local shard).
+
+        Example:
+            >>> runner = StepRunner(nn.Linear(4, 2), (torch.ones(1, 4),))
+            >>> runner.state_bytes()
+            {'parameters': 40, 'gradients': 40, 'optimizer_state': 0}
+        """
+        def storages(tensors: Any) -> int:
+            seen: dict[int, int] = {}
+            for tensor in tensors:
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
+                storage = local.untyped_storage()
+                seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+            return sum(seen.values())
+
+        params = list(self.model.parameters())
+        state = [] if self.optimizer is None else [value for entry in self.optimizer.state.values()
+                                                   for value in entry.values() if isinstance(value, torch.Tensor)]
+        return {"parameters": storages(params), "gradients": storages(p for p in params if p.requires_grad),
+                "optimizer_state": storages(state)}
+
     def optimizer_step(self) -> None:
         """Take one optimizer step (so its state exists) and clear gradients."""
         if self.optimizer is not None:

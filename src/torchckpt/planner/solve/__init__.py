@@ -10,6 +10,7 @@ from torchckpt.planner.solve._types import InfeasibleBudgetError, MenuOption, Pi
 from torchckpt.planner.solve.chain_dp import DEFAULT_MEMORY_SLOTS, solve, solve_budgets
 from torchckpt.planner.solve.evaluate import evaluate
 from torchckpt.planner.solve.floor import floor_bytes, schedule_margin_bytes
+from torchckpt.planner.solve.floor_parts import describe_floor
 from torchckpt.planner.solve.lower_bound import recompute_lower_bound
 from torchckpt.planner.solve.menu import MENU_MAX_OPTIONS, block_menu
 
@@ -23,6 +24,7 @@ __all__ = [
     "Single",
     "Solution",
     "block_menu",
+    "describe_floor",
     "evaluate",
     "floor_bytes",
     "recompute_lower_bound",

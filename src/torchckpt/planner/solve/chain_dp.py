@@ -43,6 +43,7 @@ from torchckpt.planner.solve._chain import Chain
 from torchckpt.planner.solve._types import InfeasibleBudgetError, Piece, Region, Single, Solution
 from torchckpt.planner.solve.evaluate import evaluate_chain
 from torchckpt.planner.solve.floor import check_margin, floor_schedule, min_peak_schedule
+from torchckpt.planner.solve.floor_parts import floor_parts
 
 __all__ = ["DEFAULT_MEMORY_SLOTS", "solve", "solve_budgets"]
 
@@ -259,28 +260,15 @@ def _check_budget(budget_bytes: object) -> int:
 
 def _infeasible(chain: Chain, budget_bytes: int, floor: int, schedule: tuple[Piece, ...],
                 margin_bytes: int) -> InfeasibleBudgetError:
-    _, _, binding = evaluate_chain(chain, schedule)
     costs = chain.costs
     margin = chain.margin_of(schedule, margin_bytes)
+    parts, figures = floor_parts(chain, schedule, margin)  # floor_parts.py's [the floor is told in parts]
     breakdown: dict[str, int | str] = {"fixed_bytes": costs.fixed_bytes,
                                        "activation_bytes": floor - margin - costs.fixed_bytes,
-                                       "head_bytes": costs.head_bytes, "margin_bytes": margin, "binding": binding}
-    with_margin = (f" + a margin of {format_bytes(margin)} (this plan was not measured when profiling)"
-                   if margin else "")
-    engine = costs.notes.get("engine")  # set by a distributed profile: "FSDP2" or "DDP"
-    if engine == "FSDP2":  # already sharded: more processes shard further
-        sharding = "or more processes to shard over (each holds 1/N of parameters, gradients and optimizer state)"
-    elif engine == "DDP":  # every process holds a full replica
-        sharding = "or FSDP2 (fully_shard) instead of DDP, to shard parameters, gradients and optimizer state"
-    else:
-        sharding = "or sharding parameters, gradients and optimizer state (FSDP/ZeRO)"
+                                       "head_bytes": costs.head_bytes, **figures}
     message = (f"budget {budget_bytes} bytes ({format_bytes(budget_bytes)}) is below the smallest feasible "
-               f"peak (predicted), {floor} bytes ({format_bytes(floor)}) = fixed {format_bytes(costs.fixed_bytes)} "
-               f"(parameters, gradients, optimizer state, batch, activations outside the blocks) + "
-               f"{format_bytes(floor - margin - costs.fixed_bytes)} that the blocks and the head need at least"
-               f"{with_margin}, reached at {binding} even with every block recomputed. Try a smaller batch or "
-               f"sequence length, offloading (optimizer state or activations to CPU), {sharding}; any budget >= "
-               f"{floor} bytes is feasible.")
+               f"peak (predicted), {floor} bytes ({format_bytes(floor)}), reached at {figures['binding']} with "
+               f"the least-peak plan: {floor} bytes = {parts} Any budget >= {floor} bytes is feasible.")
     return InfeasibleBudgetError(budget_bytes, floor, breakdown, message)
 
 
