@@ -123,6 +123,27 @@ def test_in_process_run_and_option_mismatch(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_the_default_budget_is_below_checkpointing_every_block_and_the_run_fits_it(tmp_path: Path) -> None:
+    """`make demo`'s defaults (gpt mini, 16 x 256, 28%): a budget torch.utils.checkpoint on every block cannot
+    meet, which the plan meets, and the report says both (one step; the demo runs 100)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    defaults = TrainConfig()
+    config = TrainConfig(steps=1, save=False, dir=str(tmp_path), threads=1)
+    assert (config.size, config.budget, config.batch_size, config.seq_len) == (
+        defaults.size, defaults.budget, defaults.batch_size, defaults.seq_len)
+    lines: list[str] = []
+    try:
+        summary = train(config, say=lines.append, live=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["peak_bytes"] <= summary["budget_bytes"] < summary["every_block_peak_bytes"], summary
+    assert summary["every_block_peak_bytes"] < summary["plain_peak_bytes"]
+    report = "\n".join(lines)
+    assert "checkpointing every block (torch.utils.checkpoint)" in report and "does not fit this budget" in report
+
+
 @pytest.mark.xfail(strict=True, reason="a plan the profiler measured (here no checkpointing at 100%) keeps no "
                    "margin, and from its first batch on the loader holds a 5,056-byte uint8 tensor (the sampler's "
                    "torch.Generator state, kept to resume mid-epoch) that the profiled step does not: 3,282,488 B "

@@ -54,7 +54,7 @@ def add_option(parser: argparse.ArgumentParser, option: TrainOption) -> None:
         ...     add_option(parser, option)
         >>> args = parser.parse_args(["--steps", "8", "--no-save"])
         >>> args.steps, args.save, args.budget
-        (8, False, '45%')
+        (8, False, '28%')
     """
     text = option.help.replace("%", "%%")  # argparse formats help with %
     if option.kind == "switch":

@@ -20,6 +20,7 @@ Rules kept here (named in ``docs/design.md``):
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -118,21 +119,35 @@ def _loss_of(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torc
     return loss
 
 
-def _measure_plain_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
-    """Peak and time of one uncheckpointed step with AdamW state alive
-    ([planning never changes the run])."""
+def _measure_baselines(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                       every_block: list[nn.Module] | None) -> dict[str, float]:
+    """Peak and time of one uncheckpointed step with AdamW state alive, and (``every_block``: the plan's blocks)
+    of one step with each of those blocks under ``torch.utils.checkpoint`` (torch's own one-liner, the peer a
+    budget below it is measured against) ([planning never changes the run])."""
+    baselines: dict[str, float] = {}
     with preserved_state(model):
         model.train()
         throwaway = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
-        for _ in range(2):  # the first step creates AdamW's state; the second is measured
-            start = time.perf_counter()
-            with MemoryMeter() as meter:
-                _loss_of(model, *batch).backward()
-                throwaway.step()
-                throwaway.zero_grad(set_to_none=True)
-            step_s = time.perf_counter() - start
+        for name, blocks in (("", []), ("every_block_", every_block)):
+            if blocks is None:
+                continue
+            for block in blocks:  # an instance attribute; deleting it restores the class's forward
+                block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
+                                                  use_reentrant=False)
+            try:
+                for _ in range(2):  # the first step creates AdamW's state (and warms up); the second is measured
+                    start = time.perf_counter()
+                    with MemoryMeter() as meter:
+                        _loss_of(model, *batch).backward()
+                        throwaway.step()
+                        throwaway.zero_grad(set_to_none=True)
+                    step_s = time.perf_counter() - start
+            finally:
+                for block in blocks:
+                    del block.forward
+            baselines.update({f"{name}peak_bytes": meter.peak_bytes, f"{name}step_s": step_s})
         del throwaway
-    return {"peak_bytes": meter.peak_bytes, "step_s": step_s}
+    return baselines
 
 
 @torch.no_grad()
@@ -179,6 +194,12 @@ def format_summary(summary: dict[str, Any]) -> str:
         ...     "checkpoint_steps": [2]})
         >>> "60% less" in text
         True
+        >>> summary = {"step": 2, "train_loss": 3.0, "validation_loss": 3.1, "sample": "", "peak_bytes": 80,
+        ...     "budget_bytes": 100, "predicted_peak_bytes": 90, "plain_peak_bytes": 200, "predicted_extra_s": 0.1,
+        ...     "plain_step_s": 1.0, "mean_step_s": None, "every_block_peak_bytes": 120,
+        ...     "every_block_step_s": 1.3, "checkpoints": "runs/x", "checkpoint_steps": []}
+        >>> format_summary(summary).splitlines()[1].split("; ")[-1]
+        'checkpointing every block (torch.utils.checkpoint) 120 B: does not fit this budget'
     """
     s = summary
     saving = 1 - s["peak_bytes"] / max(s["plain_peak_bytes"], 1)
@@ -186,14 +207,21 @@ def format_summary(summary: dict[str, Any]) -> str:
     overhead = s["predicted_extra_s"] / max(s["plain_step_s"], 1e-9)
     measured = s["mean_step_s"] / max(s["plain_step_s"], 1e-9) - 1 if s.get("mean_step_s") else float("nan")
     sample = "\n".join("    " + line for line in s["sample"].splitlines())
+    every_block_peak = every_block_time = ""
+    if s.get("every_block_peak_bytes"):  # torch.utils.checkpoint on every block of the plan, measured once
+        fits = "fits" if s["every_block_peak_bytes"] <= s["budget_bytes"] else "does not fit"
+        every_block_peak = (f"; checkpointing every block (torch.utils.checkpoint) "
+                            f"{format_bytes(s['every_block_peak_bytes'])}: {fits} this budget")
+        every_block_time = f"; every block checkpointed {s['every_block_step_s']:.2f} s"
     return "\n".join([
         (f"step {s['step']}: train loss {s['train_loss']:.4f}, validation loss {s['validation_loss']:.4f} "
          f"(uniform guess over bytes: {math.log(256):.2f})"),
         (f"memory: measured peak {format_bytes(s['peak_bytes'])} ({within} budget {format_bytes(s['budget_bytes'])}; "
          f"predicted {format_bytes(s['predicted_peak_bytes'])}); without checkpointing "
-         f"{format_bytes(s['plain_peak_bytes'])}: {saving:.0%} less"),
+         f"{format_bytes(s['plain_peak_bytes'])}: {saving:.0%} less" + every_block_peak),
         (f"time: the plan predicts +{s['predicted_extra_s'] * 1e3:.0f} ms of recomputation per step = "
-         f"{overhead:+.0%} of an uncheckpointed step ({s['plain_step_s']:.2f} s, measured once); "
+         f"{overhead:+.0%} of an uncheckpointed step ({s['plain_step_s']:.2f} s, measured once"
+         f"{every_block_time}); "
          + (f"measured mean step {s['mean_step_s']:.2f} s ({measured:+.0%})" if s.get("mean_step_s")
             else "mean step not measured (the first step of a process is not timed)")),
         "sample (temperature 0.8):",
@@ -292,7 +320,9 @@ def _plan(config: TrainConfig, record: dict[str, Any], model: nn.Module, example
     if how.startswith("reused") and baseline_path.is_file():
         baseline = json.loads(baseline_path.read_text())
     else:
-        baseline = _measure_plain_step(model, example)
+        blocks = None if ranks is not None or not plan.block_paths else [  # one process: measured beside the plan
+            model.get_submodule(path) for path in plan.block_paths]
+        baseline = _measure_baselines(model, example, blocks)
         if ranks is not None:
             baseline["peak_bytes"] = ranks.largest(int(baseline["peak_bytes"]))
         if ranks is None or ranks.leader:
@@ -342,6 +372,7 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
         "budget_bytes": plan.budget_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
         "plain_peak_bytes": baseline["peak_bytes"], "predicted_extra_s": plan.predicted_extra_time_s,
         "plain_step_s": baseline["step_s"],
+        **{key: baseline[key] for key in ("every_block_peak_bytes", "every_block_step_s") if key in baseline},
         "mean_step_s": progress["timed_s"] / progress["timed_steps"] if progress["timed_steps"] else None,
         "checkpoints": str(checkpointer.directory), "checkpoint_steps": checkpoint_steps,
     }
