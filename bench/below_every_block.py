@@ -11,7 +11,8 @@ once without an optimizer (plain SGD: no state):
 - at every block's measured peak: bare training steps, interleaved and timed (median of ``--repeats``):
   no checkpointing, every block checkpointed, and torchckpt's plan for that budget; the share of every block's
   recompute cost won back, (t_every_block - t_plan) / (t_every_block - t_no_checkpointing);
-- with AdamW, profiled twice more (without and with the optimizer inside the backward pass): both floors.
+- with AdamW, profiled twice more (without and with the optimizer inside the backward pass): both floors, and what
+  the first is made of (the parts of the infeasible-budget error, which sum to it).
 
     MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python bench/below_every_block.py [--models NAMES] [--repeats 3] [--name N]
 
@@ -108,8 +109,19 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
     adamw = torchckpt.profile(model, inputs, optimizer=optimizer)
     inside = torchckpt.profile(model, inputs, optimizer=optimizer, optimizer_in_backward=True)
     record["adamw"] = {"every_block_peak_bytes": adamw.every_block_peak_bytes, "floor_bytes": _floor(adamw),
-                       "floor_in_backward_bytes": _floor(inside)}
+                       "floor_in_backward_bytes": _floor(inside), "floor_parts": _floor_parts(adamw),
+                       "state_bytes": dict(adamw.state_bytes)}
     return record
+
+
+def _floor_parts(costs: Any) -> dict[str, Any]:
+    """What the floor is made of (solve/floor_parts.py's [the floor is told in parts]): the figures of the error a
+    budget below it raises, and its message."""
+    try:
+        costs.plan(1)
+    except torchckpt.InfeasibleBudgetError as error:
+        return {**error.breakdown, "message": str(error)}
+    raise AssertionError("a budget of 1 byte planned")
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -132,6 +144,26 @@ def markdown(results: dict[str, Any]) -> str:
                      f"({a['floor_bytes'] / a['every_block_peak_bytes']:.2f}x) | "
                      f"{format_bytes(a['floor_in_backward_bytes'])} "
                      f"({a['floor_in_backward_bytes'] / a['every_block_peak_bytes']:.2f}x) |")
+    lines += ["", "## What the AdamW floor is made of", "",
+              "The floor's parts sum to it exactly (solve/floor_parts.py); \"the block itself\" is the binding "
+              "block's own need, the gradients made by then included. \"0.6x needs\" is what the activations "
+              "(checkpointed inputs, other held, the block itself) may be at 0.6x of every block's peak, beside what "
+              "they are.", "",
+              "| model | floor | parameters | optimizer state | gradients (all) | rest outside the blocks | "
+              "checkpointed inputs | other held | the block itself | margin | binding | activations | 0.6x needs |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["models"]:
+        a = r["adamw"]
+        p = a["floor_parts"]
+        activations = p["checkpoint_bytes"] + p["other_held_bytes"] + p["own_bytes"]
+        allowed = 0.6 * a["every_block_peak_bytes"] - (p["floor_bytes"] - activations)
+        cells = [format_bytes(p["floor_bytes"]), format_bytes(p["parameters_bytes"]),
+                 format_bytes(p["optimizer_state_bytes"]), format_bytes(a["state_bytes"].get("gradients", 0)),
+                 format_bytes(p["outside_bytes"]), f"{p['checkpoints']}: {format_bytes(p['checkpoint_bytes'])}",
+                 format_bytes(p["other_held_bytes"]), format_bytes(p["own_bytes"]), format_bytes(p["margin_bytes"]),
+                 p["binding"], format_bytes(activations),
+                 format_bytes(int(allowed)) if allowed > 0 else "unreachable: the rest is over 0.6x"]
+        lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
     lines += ["", "## The plan at the floor, measured", "",
               "| model | budget | predicted | measured | within | error | head | nested blocks | gradients |",
               "|---|---|---|---|---|---|---|---|---|"]

@@ -29,6 +29,13 @@ def test_writes_floors_a_verified_plan_and_timings(tmp_path: Path, capsys: pytes
     times = model["at_every_block_peak"]["times"]
     assert set(times) == {"no checkpointing", "every block", "torchckpt"}
     assert all(t["median_s"] > 0 for t in times.values())
-    assert model["adamw"]["floor_in_backward_bytes"] > 0
-    assert (tmp_path / "below_every_block.md").read_text().startswith("# Below every block")
+    adamw = model["adamw"]
+    assert adamw["floor_in_backward_bytes"] > 0
+    parts = adamw["floor_parts"]  # the AdamW floor's parts sum to it, and to the floor the bench reports
+    assert parts["floor_bytes"] == adamw["floor_bytes"] == sum(parts[key] for key in (
+        "parameters_bytes", "optimizer_state_bytes", "outside_bytes", "checkpoint_bytes", "other_held_bytes",
+        "own_bytes", "margin_bytes"))
+    assert parts["optimizer_state_bytes"] == adamw["state_bytes"]["optimizer_state"] > 0
+    text = (tmp_path / "below_every_block.md").read_text()
+    assert text.startswith("# Below every block") and "## What the AdamW floor is made of" in text
     assert "hf-llama-tiny" in capsys.readouterr().out
