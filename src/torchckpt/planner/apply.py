@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from torchckpt.executor import CheckpointHandle, checkpoint, save_ops, wrap_forward
+from torchckpt.executor.batch_slices import sliced_checkpoint
 from torchckpt.executor.compiled import uncompiled
 from torchckpt.executor.kv_cache import disable_kv_cache
 from torchckpt.executor.loss_head import ChunkedHeadHandle
@@ -34,7 +35,8 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
     to call its blocks as a chain (each block's first argument is the previous block's output, the
     other arguments are shared), which the profiler checks before a plan with regions is made. A block whose
     pieces are nested (``PlannedBlock.nested``) also checkpoints each of ``blocks.block_pieces(block)`` inside
-    it. A plan with a
+    it, and one with ``slices`` > 1 runs as that many checkpoints over slices of the batch
+    (``executor/batch_slices.py``). A plan with a
     chunked loss head (``plan.loss_head``) makes that head return deferred logits whose cross-entropy is
     computed in chunks (``executor/loss_head.py``); a loop that reads them whole gets them, with a warning that
     the plan's peak assumed otherwise. A plan made with ``optimizer_in_backward=True`` runs ``optimizer``'s update
@@ -67,7 +69,11 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
             block = blocks[piece.block]
             policy = save_ops(piece.keep, name=f"plan:{plan.block_paths[piece.block]}",
                               ops=piece.keep_ops if piece.keep_ops or not piece.keep else None)
-            wrap_forward(block, functools.partial(checkpoint, block.forward, policy=policy), wrapped)
+            if piece.slices > 1:  # executor/batch_slices.py's [a slice is a checkpoint of its own]
+                wrap_forward(block, functools.partial(sliced_checkpoint, block.forward, slices=piece.slices,
+                                                      policy=policy), wrapped)
+            else:
+                wrap_forward(block, functools.partial(checkpoint, block.forward, policy=policy), wrapped)
             if piece.nested:  # costs.py's [pieces nested inside a block]
                 for child in block_pieces(block):
                     wrap_forward(child, functools.partial(checkpoint, child.forward), wrapped)

@@ -107,7 +107,14 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
    every block so checkpointed, it replaces ``saved_bytes_i + backward_peak_bytes_i + recompute_peak_bytes_i``
    (-1: not measured, no such option; offered only where it is smaller); it recomputes its forward twice
    (``2 * forward_time_s``:
-   the block, then each piece again; the pieces are most of the block's work). Not inside regions.
+   the block, then each piece again; the pieces are most of the block's work). Not inside regions. With
+   ``nested_slices`` k > 1 (``profile(..., batch_slices=k)``, where the block's outputs were measured bitwise
+   equal run whole and in slices of the batch: planner/batch_slices.py) the option also runs the block as k
+   checkpoints over slices of the batch (executor/batch_slices.py), so its recomputation rebuilds one slice's
+   activations at a time, its pieces nested inside each slice unless ``nested_pieces`` is False (profiled with
+   ``pieces=False``, or a block without pieces); the figures above are then measured so, and its forward pass,
+   which then holds one slice's transients, peaks at ``x_i + nested_forward_peak_bytes_i (+ g)`` of [forward
+   peak] (measured in the same step) instead of ``forward_peak_bytes_i``.
 """
 
 from __future__ import annotations
@@ -187,6 +194,9 @@ class BlockCosts:
     freed_side_input_bytes: int = 0
     nested_recompute_peak_bytes: int = -1
     nested_held_bytes: int = 0
+    nested_slices: int = 1  # the nested option runs the block in this many slices of the batch (rule 11)
+    nested_pieces: bool = True  # the nested option checkpoints the block's pieces inside it (rule 11)
+    nested_forward_peak_bytes: int = -1  # the nested option's forward peak, measured (rule 11); -1: forward_peak_bytes
     plain_only: str = ""  # why the block may not be recomputed (planner/repeat.py); "": it may
     has_backward: bool = True  # False: its output needs no gradient (frozen, a no-grad input, a no_grad section)
     checkpoint_residue_bytes: int = 0  # what a checkpointed forward leaves alive besides its outputs (measured)
@@ -210,6 +220,17 @@ class BlockCosts:
         if isinstance(nested, bool) or not isinstance(nested, int) or nested < -1:
             raise ValueError(f"BlockCosts({self.name!r}).nested_recompute_peak_bytes must be an int >= 0, or -1 (not "
                              f"measured); got {nested!r}")
+        forward = self.nested_forward_peak_bytes
+        if isinstance(forward, bool) or not isinstance(forward, int) or forward < -1:
+            raise ValueError(f"BlockCosts({self.name!r}).nested_forward_peak_bytes must be an int >= 0, or -1 (not "
+                             f"measured: forward_peak_bytes counts); got {forward!r}")
+        slices = self.nested_slices
+        if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
+            raise ValueError(f"BlockCosts({self.name!r}).nested_slices must be an int >= 1; got {slices!r}")
+        if not isinstance(self.nested_pieces, bool) or not (self.nested_pieces or slices > 1):
+            raise ValueError(f"BlockCosts({self.name!r}).nested_pieces must be a bool, False only with nested_slices "
+                             f"> 1 (the option then runs the block in slices without nesting its pieces); got "
+                             f"{self.nested_pieces!r}")
         if not isinstance(self.input_held_when_plain, bool):
             raise ValueError(f"BlockCosts({self.name!r}).input_held_when_plain must be a bool; got "
                              f"{self.input_held_when_plain!r}")

@@ -62,7 +62,7 @@ def plan_pieces(schedule: Sequence[solver.Piece], menus: Sequence[Sequence[solve
     Example:
         >>> option = solver.MenuOption(kept_ops=(), held_bytes=0, recompute_s=0.0, plain=True)
         >>> plan_pieces((solver.Single(block=0, option=0),), [(option,)])
-        (PlannedBlock(block=0, plain=True, keep=(), keep_ops=(), nested=False),)
+        (PlannedBlock(block=0, plain=True, keep=(), keep_ops=(), nested=False, slices=1),)
     """
     out: list[PlanPiece] = []
     for piece in schedule:
@@ -74,7 +74,7 @@ def plan_pieces(schedule: Sequence[solver.Piece], menus: Sequence[Sequence[solve
         keep = () if option.plain else tuple(option.kept_ops)
         names = occurrence_names(costs.blocks[piece.block], keep) if costs is not None and keep else ()
         out.append(PlannedBlock(block=piece.block, plain=option.plain, keep=keep, keep_ops=names,
-                                nested=option.nested))
+                                nested=option.nested and option.pieces, slices=option.slices))
     return tuple(out)
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from torchckpt._units import parse_bytes, parse_percent
 from torchckpt.executor.compiled import uncompiled
+from torchckpt.planner.batch_slices import check_batch_slices
 from torchckpt.planner.from_costs import check_margin_form, plan_from_costs
 from torchckpt.planner.plan import Plan, fingerprint
 from torchckpt.planner.profile import profile
@@ -28,7 +29,7 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, optimizer: torch.optim.Optimizer | None = None,
          blocks: str | Sequence[nn.Module] = "auto", regions: bool = True, step_fn: StepFn | None = None,
          margin: int | float | str = "auto", loss_head: bool | str = True, pieces: bool = True,
-         optimizer_in_backward: bool = False, micro_batches: int = 1) -> Plan:
+         optimizer_in_backward: bool = False, micro_batches: int = 1, batch_slices: int = 1) -> Plan:
     """Measure ``model`` and return the plan with the least predicted recompute time within ``budget``.
 
     The budget covers the whole step as the profiler runs it: by default ``loss = (loss_fn or
@@ -55,6 +56,11 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     holds on every micro-batch, the later ones finding the earlier ones' gradients alive (Note: [a later
     micro-batch peaks highest]); ``step_fn`` then runs one micro-batch.
 
+    ``batch_slices`` k > 1 (opt-in, one process): a block whose outputs are bitwise equal run whole and in k
+    slices of the batch may be recomputed slice by slice (``profile``), so that its recomputation holds one
+    slice's activations; the gradients of such a block's parameters, summed slice by slice, then equal the
+    unsliced ones to rounding (``verify_plan`` compares them so), every other gradient stays bitwise.
+
     ``margin`` is kept below the budget by plans the profiler did not measure (``resolve_margin``):
     ``"auto"`` (64 KiB plus 0.5% of the plain step's activations), bytes, or a share of the budget. No
     checkpointing and every block checkpointed (``gradient_checkpointing_enable()``) are measured, so
@@ -78,11 +84,13 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
         parse_bytes(budget, option="budget")
     check_margin_form(margin)
     check_micro_batches(micro_batches)
+    check_batch_slices(batch_slices)
     # the blocks as profiled: "auto" is taken in the order the blocks run (profile's rule)
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, regions=regions,
                     step_fn=step_fn, loss_head=loss_head, pieces=pieces,
-                    optimizer_in_backward=optimizer_in_backward, micro_batches=micro_batches)
+                    optimizer_in_backward=optimizer_in_backward, micro_batches=micro_batches,
+                    batch_slices=batch_slices)
     paths = list(costs.block_paths)
     return plan_from_costs(costs, budget, block_paths=paths,
                            model_fingerprint=fingerprint(model, example_inputs, paths), regions=regions, margin=margin)

@@ -10,15 +10,18 @@ head does (the head weight's gradient is made in the head's backward pass either
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
 from torchckpt._units import format_bytes
-from torchckpt.executor import checkpoint_modules
+from torchckpt.executor import CheckpointHandle, checkpoint_modules, wrap_forward
+from torchckpt.executor.batch_slices import sliced_checkpoint
+from torchckpt.planner.batch_slices import sliceable_blocks
 from torchckpt.planner.blocks import block_pieces
 from torchckpt.planner.from_costs import ChainCosts
 from torchckpt.planner.head import chunked_for_profiling, find_loss_head, loss_head_entry
@@ -35,11 +38,15 @@ least this share of every block's measured peak at the end of the forward pass."
 
 
 def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: ChainCosts, recomputed: Probe,
-                 say: Callable[[str], None], group: Any, loss_head: bool | str, pieces: bool) -> ChainCosts:
+                    say: Callable[[str], None], group: Any, loss_head: bool | str, pieces: bool,
+                    batch_slices: int = 1) -> ChainCosts:
     """One measured step for the plan options below every block, each where it applies: every block checkpointed
     with its pieces nested (costs.py's [pieces nested inside a block]) and the loss head in chunks (planner/head.py);
     one step for both, as neither changes what the other measures beyond what is accounted (the pieces' extra
     held bytes count as held at the head). A step that fails with the pieces nested is run again without them.
+    With ``batch_slices`` k > 1 (one process), the blocks measured exact in k slices of the batch
+    (planner/batch_slices.py's [only blocks measured exact are sliced]) run so in that step, their pieces not
+    nested, and their nested option is the sliced one (``BlockCosts.nested_slices``).
 
     Example (``profile`` runs it as its last step):
         >>> from torchckpt.models import gpt
@@ -53,20 +60,39 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
     notes = dict(costs.notes)
     if pieces and group is not None:
         notes["pieces"] = "no: not planned under DDP or FSDP2 yet"
+    sliced: list[int] = []
+    if batch_slices > 1 and group is not None:
+        notes["batch slices"] = "no: not planned under DDP or FSDP2 yet (a parameter's gradient is made once per slice)"
+    elif batch_slices > 1:
+        say(f"checking which blocks give the same outputs in {batch_slices} slices of the batch")
+        reasons = sliceable_blocks(runner, block_list, batch_slices)
+        sliced = [i for i, reason in enumerate(reasons) if not reason]
+        # a sliced block nests no pieces: their checkpoints would hold more through the forward pass (measured on
+        # an HF Llama at 8 x 256: its floor 0.72x every block's peak sliced, 0.91x sliced with pieces nested)
+        children = [piece for i, block in enumerate(block_list) if i not in sliced for piece in block_pieces(block)
+                    ] if children else []
+        refused = [f"block {i}: {reason}" for i, reason in enumerate(reasons) if reason]
+        notes["batch slices"] = (f"{len(sliced)} of {len(block_list)} blocks may run in {batch_slices} slices of the "
+                                 "batch" + (f"; not {'; '.join(refused[:3])}" if refused else "")
+                                 + (f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""))
     path, head_note = _loss_head_path(runner, costs, group, loss_head)
     head = runner.model.get_submodule(path) if path is not None else None
     if head is not None and "forward" in vars(head):
         path, head, head_note = None, None, f"no: {path} already has an instance-level forward (wrapped by another)"
-    if not children and head is None:
+    if not children and not sliced and head is None:
         return replace(costs, notes=notes, loss_head={"note": head_note} if head_note else {})
     what = " and ".join(part for part, on in (("every block's pieces nested", children),
+                                             (f"{len(sliced)} blocks in {batch_slices} slices of the batch", sliced),
                                              (f"the loss head ({path}) in chunks", head is not None)) if on)
     say(f"profiling step 6: every block recomputed, with {what}")
     while True:
         runner.clear_grads()
         try:
             with contextlib.ExitStack() as stack:
-                stack.enter_context(checkpoint_modules(block_list, policy="nothing_saveable"))
+                stack.enter_context(checkpoint_modules([b for i, b in enumerate(block_list) if i not in sliced],
+                                                       policy="nothing_saveable"))
+                if sliced:
+                    stack.enter_context(_in_slices([block_list[i] for i in sliced], batch_slices))
                 if children:
                     stack.enter_context(checkpoint_modules(children, policy="nothing_saveable"))
                 chunked = stack.enter_context(chunked_for_profiling(head)) if head is not None else None
@@ -74,38 +100,55 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
             break
         except Exception as error:  # noqa: BLE001 - the optional pieces only lose their option
             runner.clear_grads()
-            if not children:
+            if not children and not sliced:
                 raise
-            notes["pieces"] = f"no: the step with pieces nested failed ({type(error).__name__}: {str(error)[:200]})"
-            _log.info("torchckpt: %s", notes["pieces"])
-            children = []
+            what_failed = "pieces" if children else "batch slices"
+            notes[what_failed] = (f"no: the step with {'pieces nested' if children else 'blocks in slices'} failed "
+                                  f"({type(error).__name__}: {str(error)[:200]})")
+            _log.info("torchckpt: %s", notes[what_failed])
+            children, sliced = [], []
             if head is None:
                 return replace(costs, notes=notes, loss_head={"note": head_note} if head_note else {})
     runner.clear_grads()
-    if children:
-        costs = _nested_pieces(block_list, costs, recomputed, probe)
+    if children or sliced:
+        costs = _nested_pieces(block_list, costs, recomputed, probe, sliced, batch_slices, bool(children))
     entry: dict[str, Any] = {"note": head_note} if head_note else {}
     if isinstance(head, nn.Linear) and chunked is not None and path is not None:
-        held = sum(b.checkpoint_held_bytes + (b.nested_held_bytes if children else 0)
+        held = sum(b.checkpoint_held_bytes + (b.nested_held_bytes if children or sliced else 0)
                    for b in costs.blocks)
         entry = loss_head_entry(path, head, *chunked, probe, held_checkpointed=held, plain_head=costs.head_bytes,
                                 every_block=recomputed)
     return replace(costs, notes=notes, loss_head=entry)
 
 
-def _nested_pieces(block_list: list[nn.Module], costs: ChainCosts, recomputed: Probe, probe: Probe) -> ChainCosts:
+@contextlib.contextmanager
+def _in_slices(blocks: list[nn.Module], slices: int) -> Iterator[None]:
+    """``blocks`` checkpointed keeping nothing, each in ``slices`` slices of the batch, until exit."""
+    wrapped: list[nn.Module] = []
+    for block in blocks:
+        wrap_forward(block, functools.partial(sliced_checkpoint, block.forward, slices=slices,
+                                              policy="nothing_saveable"), wrapped)
+    try:
+        yield
+    finally:
+        CheckpointHandle(wrapped).remove()
+
+
+def _nested_pieces(block_list: list[nn.Module], costs: ChainCosts, recomputed: Probe, probe: Probe,
+                   sliced: list[int], slices: int, pieces_nested: bool) -> ChainCosts:
     """costs.py's [pieces nested inside a block] from ``probe``, a step with every block checkpointed keeping nothing
     and its pieces (``blocks.block_pieces``) checkpointed inside it: each block's backward peak there, less what
     [backward peak] counts besides the block's own activations and transients (``C + H``, what the checkpoint
     holds, the incoming gradient), is its ``nested_recompute_peak_bytes``; what a block's forward pass leaves behind
     beyond what it leaves with every block checkpointed plainly (``recomputed``, the profile's first step) is its
-    ``nested_held_bytes``."""
+    ``nested_held_bytes``; a block in ``sliced`` was run in ``slices`` slices of the batch (``nested_slices``), its
+    pieces nested inside it where ``pieces_nested`` (``nested_pieces``)."""
     fixed = probe.traces[0].before_forward - probe.traces[0].input_bytes
     blocks, n = costs.blocks, len(costs.blocks)
     last_output = blocks[-1].output_bytes
     updated, held = [], 0
     for i, (block, trace, plain) in enumerate(zip(blocks, probe.traces, recomputed.traces)):
-        if not block_pieces(block_list[i]):
+        if not block_pieces(block_list[i]) and i not in sliced:
             updated.append(block)
             held += block.checkpoint_held_bytes
             continue
@@ -113,7 +156,13 @@ def _nested_pieces(block_list: list[nn.Module], costs: ChainCosts, recomputed: P
         incoming = 0 if i == n - 1 else block.output_bytes
         base = fixed + last_output + held + block.checkpoint_held_bytes + extra + incoming
         nested = max(0, (trace.backward_peak or 0) - base)
-        updated.append(replace(block, nested_recompute_peak_bytes=nested, nested_held_bytes=extra))
+        # [forward peak] as profile.py's _assemble reads it: above C (less the last output's gradient), what the
+        # blocks before hold in this step, and the block's input; only a sliced forward differs from the plain one
+        forward = max(0, trace.forward_peak - (fixed + last_output + held + block.input_bytes)) if i in sliced else -1
+        updated.append(replace(block, nested_recompute_peak_bytes=nested, nested_held_bytes=extra,
+                               nested_slices=slices if i in sliced else 1,
+                               nested_pieces=bool(pieces_nested and i not in sliced and block_pieces(block_list[i])),
+                               nested_forward_peak_bytes=forward))
         held += block.checkpoint_held_bytes + extra
     return replace(costs, blocks=tuple(updated))
 

@@ -33,11 +33,13 @@ from torchckpt.planner.blocks import describe_paths, structure_key
 __all__ = ["Plan", "PlanMismatchError", "PlanPiece", "PlannedBlock", "PlannedRegion", "fingerprint",
            "iter_blocks"]
 
-FORMAT_VERSION = 2
-# A plan without a chunked loss head or nested pieces is written as version 1, which torchckpt releases before
-# them read the same way; one with either as version 2, which they refuse by version instead of applying it
-# without them.
+FORMAT_VERSION = 3
+# A plan is written as the lowest version that carries it, so that releases before an option read the plans
+# without it the same way and refuse, by version, those with it instead of applying them without: version 1
+# has none of the options below; version 2 adds a chunked loss head, nested pieces, the optimizer inside the
+# backward pass and micro-batches; version 3 adds blocks run in slices of the batch.
 _WITHOUT_LOSS_HEAD_VERSION = 1
+_WITHOUT_SLICES_VERSION = 2
 
 
 class PlanMismatchError(ValueError):
@@ -65,6 +67,7 @@ class PlannedBlock:
     keep: tuple[int, ...] = ()
     keep_ops: tuple[str, ...] = ()
     nested: bool = False  # its pieces checkpointed inside it (costs.py's [pieces nested inside a block])
+    slices: int = 1  # run in this many slices of the batch, keeping nothing (executor/batch_slices.py)
 
     def __post_init__(self) -> None:
         check_index("PlannedBlock.block", self.block)
@@ -72,9 +75,11 @@ class PlannedBlock:
             raise ValueError(f"PlannedBlock.plain must be a bool; got {self.plain!r}")
         if not isinstance(self.nested, bool):
             raise ValueError(f"PlannedBlock.nested must be a bool; got {self.nested!r}")
-        if self.nested and (self.plain or tuple(self.keep)):
-            raise ValueError(f"PlannedBlock(block={self.block}) nests its pieces: it must be checkpointed keeping "
-                             "nothing (plain=False, no keep)")
+        if isinstance(self.slices, bool) or not isinstance(self.slices, int) or self.slices < 1:
+            raise ValueError(f"PlannedBlock.slices must be an int >= 1; got {self.slices!r}")
+        if (self.nested or self.slices > 1) and (self.plain or tuple(self.keep)):
+            raise ValueError(f"PlannedBlock(block={self.block}) nests its pieces or runs in slices of the batch: it "
+                             "must be checkpointed keeping nothing (plain=False, no keep)")
         keep = tuple(self.keep)
         for index in keep:
             check_index("PlannedBlock.keep[]", index)
@@ -149,6 +154,8 @@ def _piece_to_json(piece: PlanPiece) -> dict[str, Any]:
     entry: dict[str, Any] = {"block": piece.block, "plain": piece.plain}
     if piece.nested:
         entry["nested"] = True
+    if piece.slices > 1:
+        entry["slices"] = piece.slices
     if not piece.plain:
         entry["keep"] = list(piece.keep)
         if piece.keep_ops:
@@ -163,7 +170,8 @@ def _piece_from_json(entry: Any) -> PlanPiece:
         start, stop = entry["region"]
         return PlannedRegion(start=start, stop=stop, inner=tuple(_piece_from_json(p) for p in entry["inner"]))
     return PlannedBlock(block=entry["block"], plain=entry["plain"], keep=tuple(entry.get("keep", ())),
-                        keep_ops=tuple(entry.get("keep_ops", ())), nested=entry.get("nested", False))
+                        keep_ops=tuple(entry.get("keep_ops", ())), nested=entry.get("nested", False),
+                        slices=entry.get("slices", 1))
 
 
 def fingerprint(model: nn.Module, example_inputs: tuple | dict, block_paths: list[str]) -> dict[str, Any]:
@@ -249,6 +257,9 @@ class Plan:
             index = piece.block
             if piece.plain:
                 decision = "keep all"
+            elif piece.slices > 1:
+                pieces = ", pieces nested" if piece.nested else ""
+                decision = f"recompute all{pieces}, in {piece.slices} slices of the batch"
             elif piece.nested:
                 decision = "recompute all, pieces nested"
             elif piece.keep:
@@ -317,7 +328,8 @@ class Plan:
         """JSON text (round-trips exactly through :meth:`from_json`)."""
         nested = any(piece.nested for piece, _ in iter_blocks(self.schedule))
         newer = self.loss_head or nested or self.optimizer_in_backward or self.micro_batches > 1
-        version = FORMAT_VERSION if newer else _WITHOUT_LOSS_HEAD_VERSION
+        sliced = any(piece.slices > 1 for piece, _ in iter_blocks(self.schedule))
+        version = FORMAT_VERSION if sliced else _WITHOUT_SLICES_VERSION if newer else _WITHOUT_LOSS_HEAD_VERSION
         payload = {"format": "torchckpt.plan", "version": version, "budget_bytes": self.budget_bytes,
                    "predicted_peak_bytes": self.predicted_peak_bytes,
                    "predicted_extra_time_s": self.predicted_extra_time_s,
@@ -338,9 +350,9 @@ class Plan:
             raise ValueError(f"not a torchckpt plan: invalid JSON ({error})") from None
         if not isinstance(payload, dict) or payload.get("format") != "torchckpt.plan":
             raise ValueError("not a torchckpt plan: the JSON has no \"format\": \"torchckpt.plan\" field")
-        if payload.get("version") not in (_WITHOUT_LOSS_HEAD_VERSION, FORMAT_VERSION):
+        if payload.get("version") not in (_WITHOUT_LOSS_HEAD_VERSION, _WITHOUT_SLICES_VERSION, FORMAT_VERSION):
             raise ValueError(f"plan format version {payload.get('version')!r} is not supported by this torchckpt "
-                             f"(reads versions {_WITHOUT_LOSS_HEAD_VERSION} and {FORMAT_VERSION}); upgrade torchckpt "
+                             f"(reads versions {_WITHOUT_LOSS_HEAD_VERSION} to {FORMAT_VERSION}); upgrade torchckpt "
                              "or re-create the plan")
         try:
             return cls(budget_bytes=payload["budget_bytes"], predicted_peak_bytes=payload["predicted_peak_bytes"],

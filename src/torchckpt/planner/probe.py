@@ -26,7 +26,7 @@ from torchckpt.planner.blocks import block_paths, describe_paths, positional_for
 from torchckpt.planner.recorder import BlockTrace, Recorder
 from torchckpt.planner.runner import StepRunner
 
-__all__ = ["BlockOrderError", "Probe", "block_times", "measure_step"]
+__all__ = ["BlockOrderError", "Probe", "block_times", "measure_step", "time_scale"]
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -378,3 +378,23 @@ def block_times(blocks: Sequence[nn.Module], *probes: Probe) -> list[float]:
     for key, seconds in zip(keys, least):
         by_key.setdefault(key, []).append(seconds)
     return [statistics.median(by_key[key]) for key in keys]
+
+
+def time_scale(times: list[float], plain_step_s: float, every_block_step_s: float) -> tuple[float, str]:
+    """costs.py's [measured schedules are predicted as measured]: the factor on the hook-timed forward times that makes
+    the every-block schedule's predicted extra time (the sum of the forwards) equal the measured one.
+
+    Example:
+        >>> round(time_scale([0.1, 0.1], plain_step_s=1.0, every_block_step_s=1.1)[0], 6)
+        0.5
+    """
+    measured = every_block_step_s - plain_step_s
+    total = 0.0
+    for t in reversed(times):  # the evaluator's order, so the calibrated sum matches to the last bit or two
+        total = t + total
+    if measured <= 0 or total <= 0:
+        return 1.0, (f"1 (not calibrated: the step with every block recomputed, {every_block_step_s * 1e3:.1f} ms, "
+                     f"was not slower than the plain step, {plain_step_s * 1e3:.1f} ms: timing noise)")
+    scale = measured / total
+    return scale, (f"{scale:.4g} (hook-timed forwards {total * 1e3:.1f} ms; every block recomputed measured "
+                   f"{measured * 1e3:.1f} ms over a {plain_step_s * 1e3:.1f} ms plain step)")

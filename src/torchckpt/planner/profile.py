@@ -46,8 +46,10 @@ How each figure of ``costs.py`` is obtained (the names of that module's rules in
    training steps at most (the fifth, a region, measures ``region_recompute_bytes``), eight under DDP
    or FSDP2 (three warm-up steps first: [the distributed engine warms up unmeasured]), plus: one forward pass
    without gradients first (repeat.py's [a block is recomputed only if it repeats]), an unmeasured step with
-   ``micro_batches`` > 1 or the optimizer in the backward pass, the options step (``options_step.py``), and up
-   to three steps for other groupings (other_blocks.py's [a much lower floor elsewhere is named]).
+   ``micro_batches`` > 1 or the optimizer in the backward pass, the options step (``options_step.py``; with
+   ``batch_slices``, one forward pass without gradients before it: planner/batch_slices.py's [only blocks
+   measured exact are sliced]), and up to three steps for other groupings (other_blocks.py's [a much lower
+   floor elsewhere is named]).
 5. **[a region must be exact]** A region (``apply.wrap_region``) runs its blocks from its first block's
    arguments, passing each the previous one's hidden state (the output, or its first item when a tuple),
    and its other blocks return the region's output: its hidden state, and the other items of the last
@@ -84,6 +86,7 @@ from torchckpt.executor.optimizer_in_backward import optimizer_in_backward as op
 from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner import solve as solver
 from torchckpt.planner.apply import wrap_region
+from torchckpt.planner.batch_slices import check_batch_slices
 from torchckpt.planner.blocks import block_paths, resolve_blocks
 from torchckpt.planner.costs import BlockCosts, OpCosts
 from torchckpt.planner.distributed import (
@@ -100,7 +103,7 @@ from torchckpt.planner.layerdrop import layerdrop_off
 from torchckpt.planner.options_step import measure_options
 from torchckpt.planner.other_blocks import other_blocks_note
 from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
-from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step
+from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step, time_scale
 from torchckpt.planner.repeat import plain_only, unrepeatable_blocks
 from torchckpt.planner.runner import StepFn, StepRunner
 
@@ -131,6 +134,7 @@ def profile(
     pieces: bool = True,
     optimizer_in_backward: bool = False,
     micro_batches: int = 1,
+    batch_slices: int = 1,
 ) -> ChainCosts:
     """Measure ``model`` on ``example_inputs`` and return its cost model.
 
@@ -161,7 +165,8 @@ def profile(
     parameter inside the backward pass (``executor/optimizer_in_backward.py``), so gradients do not all live at
     once; plans from these costs say so and ``apply`` installs it. ``micro_batches`` > 1 (gradient accumulation:
     that many backward passes per optimizer step) measures every step as the second micro-batch runs it, the
-    first's gradients alive from its start (Note: [a later micro-batch peaks highest]).
+    first's gradients alive from its start (Note: [a later micro-batch peaks highest]). ``batch_slices`` k > 1
+    (opt-in): see ``torchckpt.plan`` and costs.py's [pieces nested inside a block].
 
     Example:
         >>> from torchckpt.models import gpt
@@ -172,6 +177,7 @@ def profile(
     """
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     check_loss_head_arg(model, loss_head)
+    options = {"loss_head": loss_head, "pieces": pieces, "batch_slices": check_batch_slices(batch_slices)}
     if not isinstance(optimizer_in_backward, bool):
         raise TypeError(f"optimizer_in_backward must be True or False; got {optimizer_in_backward!r}")
     if optimizer_in_backward and optimizer is None:
@@ -199,7 +205,7 @@ def profile(
         unrepeatable = {} if engine_of(model) == "FSDP2" else {  # FSDP2 reshards a block's parameters after its forward
             id(block_list[i]): why for i, why in unrepeatable_blocks(runner, block_list).items()}
         try:
-            costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head, pieces)
+            costs = _measure_costs(runner, block_list, progress, regions_off, group, options)
         except BlockOrderError as error:  # on every rank alike (planner.distributed.same_outcome)
             if not (isinstance(blocks, str) and blocks == "auto"):
                 raise
@@ -207,7 +213,7 @@ def profile(
             # registers its decoder's up blocks before the mid block it runs first): profile again in their order.
             block_list = [block_list[k] for k in error.ran]
             runner.clear_grads()
-            costs = _measure_costs(runner, block_list, progress, regions_off, group, loss_head, pieces)
+            costs = _measure_costs(runner, block_list, progress, regions_off, group, options)
         if isinstance(blocks, str) and group is None:  # other_blocks.py's [a much lower floor elsewhere is named]
             plain, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
             peak = costs.every_block_peak_bytes
@@ -248,9 +254,9 @@ def _engine_warm_up(runner: StepRunner, block_list: list[nn.Module]) -> None:
 
 
 def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Callable[[str], None] | None,
-                   regions_off: str | None = None, group: Any = None, loss_head: bool | str = True,
-                   pieces: bool = True) -> ChainCosts:
-    """The profile's steps; ``regions_off``, when given, says why plans from these costs have no regions.
+                   regions_off: str | None = None, group: Any = None, options: dict | None = None) -> ChainCosts:
+    """The profile's steps; ``regions_off``, when given, says why plans from these costs have no regions;
+    ``options``: ``measure_options``' keywords (``loss_head``, ``pieces``, ``batch_slices``).
     With a process ``group``, every decision that changes which steps run is taken by all ranks alike."""
     say = progress or (lambda message: None)
 
@@ -283,7 +289,7 @@ def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Ca
     elif costs.chain and len(block_list) > 1 and "regions" not in costs.notes:
         say("profiling step 5: a region of two blocks")
         costs = replace(costs, region_recompute_bytes=_region_residue(runner, block_list, costs))
-    return measure_options(runner, block_list, costs, recomputed, say, group, loss_head, pieces)
+    return measure_options(runner, block_list, costs, recomputed, say, group, **(options or {}))
 
 
 def _timed_step(runner: StepRunner) -> float:
@@ -339,7 +345,7 @@ def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_times_s:
     # state, if any, was created after it).
     every_block_peak = _peak_at_marks(recomputed) - ckpt_fixed + fixed
     plain_step_s, every_block_step_s = step_times_s
-    scale, time_note = _time_scale(times, plain_step_s, every_block_step_s)
+    scale, time_note = time_scale(times, plain_step_s, every_block_step_s)
     times = [t * scale for t in times]
     # Regions need the blocks to be called as a chain: each block's first input is the previous output,
     # and a region must not change what the model computes ([a region must be exact]).
@@ -421,21 +427,6 @@ def _peak_at_marks(probe: Probe) -> int:
     traces = probe.traces
     return max([probe.head_peak, probe.tail_peak] + [t.forward_peak for t in traces]
                + [t.backward_peak or 0 for t in traces])
-
-
-def _time_scale(times: list[float], plain_step_s: float, every_block_step_s: float) -> tuple[float, str]:
-    """[measured schedules are predicted as measured]: the factor on the hook-timed forward times that makes
-    the every-block schedule's predicted extra time (the sum of the forwards) equal the measured one."""
-    measured = every_block_step_s - plain_step_s
-    total = 0.0
-    for t in reversed(times):  # the evaluator's order, so the calibrated sum matches to the last bit or two
-        total = t + total
-    if measured <= 0 or total <= 0:
-        return 1.0, (f"1 (not calibrated: the step with every block recomputed, {every_block_step_s * 1e3:.1f} ms, "
-                     f"was not slower than the plain step, {plain_step_s * 1e3:.1f} ms: timing noise)")
-    scale = measured / total
-    return scale, (f"{scale:.4g} (hook-timed forwards {total * 1e3:.1f} ms; every block recomputed measured "
-                   f"{measured * 1e3:.1f} ms over a {plain_step_s * 1e3:.1f} ms plain step)")
 
 
 def _held_between_blocks(plain: Probe, recomputed: Probe, fixed: int,

@@ -26,7 +26,7 @@ from torchckpt.executor.compiled import eager_measurement, uncompiled
 from torchckpt.executor.kv_cache import kv_cache_off
 from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner.apply import apply_plan
-from torchckpt.planner.plan import Plan
+from torchckpt.planner.plan import Plan, iter_blocks
 from torchckpt.planner.runner import StepFn, StepRunner
 
 __all__ = ["VerifyReport", "compare_gradients", "loss_head_parameters", "verify_plan"]
@@ -46,7 +46,7 @@ class VerifyReport:
     first_differing_buffer: str | None  # its name in ``named_buffers()``; None when all are equal
     step_time_s: float
     no_checkpointing_step_time_s: float
-    rounding_only: tuple[str, ...] = ()  # parameters compared to rounding: the chunked loss head's
+    rounding_only: tuple[str, ...] = ()  # parameters compared to rounding: the chunked loss head's, sliced blocks'
     rounding_relative_difference: float = 0.0  # their largest |difference| over their largest |gradient|
 
     @property
@@ -69,11 +69,15 @@ class VerifyReport:
             f"{1 - self.measured_peak_bytes / max(self.no_checkpointing_peak_bytes, 1):.0%}",
             f"gradients {'bitwise equal' if self.gradients_equal else 'DIFFER'} "
             f"(max |difference| {self.max_gradient_difference:.3g})"
-            + (f"; {', '.join(self.rounding_only)} (the loss head, in chunks) equal to rounding: relative difference "
+            + (f"; {self._rounding_names()} (summed in chunks or slices) equal to rounding: relative difference "
                f"{self.rounding_relative_difference:.2g}" if self.rounding_only else "")
             + f"; step {self.step_time_s:.3f} s vs {self.no_checkpointing_step_time_s:.3f} s without checkpointing",
             "buffers bitwise equal" if self.buffers_equal else f"buffers DIFFER (first: {self.first_differing_buffer})",
         ])
+
+    def _rounding_names(self) -> str:
+        names = self.rounding_only
+        return ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:3])} and {len(names) - 3} more parameters"
 
     def __str__(self) -> str:
         return self.table()
@@ -163,6 +167,16 @@ def loss_head_parameters(model: nn.Module, plan: Plan) -> list[tuple[int, str]]:
             if p.untyped_storage().data_ptr() in storages]
 
 
+def sliced_parameters(model: nn.Module, plan: Plan) -> list[tuple[int, str]]:
+    """(index in ``parameters()``, name) of the parameters of blocks the plan runs in slices of the batch: their
+    gradients are summed slice by slice (executor/batch_slices.py's [slicing must not change the values])."""
+    sliced = {id(p) for piece, _ in iter_blocks(plan.schedule) if piece.slices > 1
+              for p in model.get_submodule(plan.block_paths[piece.block]).parameters()}
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [(index, names.get(id(p), f"parameter {index}")) for index, p in enumerate(model.parameters())
+            if id(p) in sliced]
+
+
 def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
                 loss_fn: Callable[[Any], torch.Tensor] | None = None, seed: int = 0,
                 step_fn: StepFn | None = None, optimizer: torch.optim.Optimizer | None = None) -> VerifyReport:
@@ -213,9 +227,10 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
         with preserved_state(model, updates), apply_plan(model, plan, updates), recompute_checks():
             peak, step_time, grads = _measured_step(runner, seed, updates)
             differing = _first_difference(_buffer_bytes(model), plain_buffers)
-    head_params = loss_head_parameters(model, plan)
-    equal, difference, relative = compare_gradients(grads, plain_grads, {index for index, _ in head_params})
-    return VerifyReport(rounding_only=tuple(name for _, name in head_params), rounding_relative_difference=relative,
+    rounding = loss_head_parameters(model, plan) + sliced_parameters(model, plan)
+    equal, difference, relative = compare_gradients(grads, plain_grads, {index for index, _ in rounding})
+    return VerifyReport(rounding_only=tuple(dict.fromkeys(name for _, name in rounding)),
+                        rounding_relative_difference=relative,
                         budget_bytes=plan.budget_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
                         measured_peak_bytes=peak, no_checkpointing_peak_bytes=plain_peak, gradients_equal=equal,
                         max_gradient_difference=difference, buffers_equal=differing is None,

@@ -372,10 +372,10 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
         "budget_bytes": plan.budget_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
         "plain_peak_bytes": baseline["peak_bytes"], "predicted_extra_s": plan.predicted_extra_time_s,
         "plain_step_s": baseline["step_s"],
-        **{key: baseline[key] for key in ("every_block_peak_bytes", "every_block_step_s") if key in baseline},
         "mean_step_s": progress["timed_s"] / progress["timed_steps"] if progress["timed_steps"] else None,
         "checkpoints": str(checkpointer.directory), "checkpoint_steps": checkpoint_steps,
     }
+    summary.update({key: baseline[key] for key in ("every_block_peak_bytes", "every_block_step_s") if key in baseline})
     if ranks is not None:
         summary["processes"] = ranks.world
     handle.remove()

@@ -89,7 +89,9 @@ class Chain:
         """[backward peak] and [forward peak] for one block above ``C + H``: the larger of its forward and
         backward peaks."""
         b = self.costs.blocks[block]
-        forward = b.input_bytes + b.forward_peak_bytes + gradient
+        forward_peak = b.nested_forward_peak_bytes if option.nested and b.nested_forward_peak_bytes >= 0 else (
+            b.forward_peak_bytes)  # costs.py's [pieces nested inside a block]: a sliced forward, measured
+        forward = b.input_bytes + forward_peak + gradient
         incoming = b.output_bytes if block != self.n - 1 else 0
         recompute = 0 if option.plain else b.recompute_peak_bytes
         held_input = self._input_held_bytes(block, option)

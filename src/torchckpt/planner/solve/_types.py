@@ -26,6 +26,8 @@ class MenuOption:
     recompute_s: float
     plain: bool
     nested: bool = False  # costs.py's [pieces nested inside a block]
+    slices: int = 1  # ... the block run in this many slices of the batch (its nested_slices)
+    pieces: bool = True  # ... and its pieces nested inside it (its nested_pieces)
 
 
 @dataclass(frozen=True)

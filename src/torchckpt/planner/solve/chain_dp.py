@@ -204,7 +204,8 @@ def _byte_gcd(chain: Chain) -> int:
     for block, menu in zip(costs.blocks, chain.menus):
         values += [block.input_bytes, block.saved_bytes, block.forward_peak_bytes, block.backward_peak_bytes,
                    block.recompute_peak_bytes, block.freed_side_input_bytes,
-                   max(0, block.nested_recompute_peak_bytes), block.nested_held_bytes]
+                   max(0, block.nested_recompute_peak_bytes), block.nested_held_bytes,
+                   max(0, block.nested_forward_peak_bytes)]
         values += [option.held_bytes for option in menu]
     return math.gcd(*values) or 1
 

@@ -60,8 +60,9 @@ def floor_parts(chain: Chain, schedule: Sequence[Piece], margin_bytes: int) -> t
         then). What would lower it: optimizer_in_backward=True (plan(..., optimizer=your_optimizer,
         optimizer_in_backward=True)) frees each gradient as soon as it is applied (the gradients are 60 B in all);
         a smaller batch, or the same batch as micro-batches (plan(..., micro_batches=k)): 24 B of it are
-        activations; sharding parameters, gradients and optimizer state (FSDP/ZeRO); offloading (optimizer state or
-        activations to CPU).
+        activations; batch_slices=k (plan(..., batch_slices=4)): each block whose outputs are exact in slices of the
+        batch is recomputed one slice at a time (its weights' gradients then equal to rounding); sharding
+        parameters, gradients and optimizer state (FSDP/ZeRO); offloading (optimizer state or activations to CPU).
     """
     costs = chain.costs
     parts = peak_parts(chain, schedule)
@@ -96,6 +97,10 @@ def floor_parts(chain: Chain, schedule: Sequence[Piece], margin_bytes: int) -> t
     if activations > 0:
         levers.append(f"a smaller batch, or the same batch as micro-batches (plan(..., micro_batches=k)): "
                       f"{format_bytes(activations)} of it are activations")
+    sliced = any(block.nested_slices > 1 for block in costs.blocks)
+    if activations > 0 and not sliced and "batch slices" not in costs.notes and "engine" not in costs.notes:
+        levers.append("batch_slices=k (plan(..., batch_slices=4)): each block whose outputs are exact in slices of the "
+                      "batch is recomputed one slice at a time (its weights' gradients then equal to rounding)")
     engine = costs.notes.get("engine")  # set by a distributed profile
     if engine == "FSDP2":  # already sharded: more processes shard further
         levers.append("more processes to shard over (each holds 1/N of parameters, gradients and optimizer state)")

@@ -108,5 +108,5 @@ def block_menu(block: BlockCosts) -> tuple[MenuOption, ...]:
     whole = block.saved_bytes + block.backward_peak_bytes + block.recompute_peak_bytes
     nested = () if not 0 <= block.nested_recompute_peak_bytes + block.nested_held_bytes < whole else (
         MenuOption(kept_ops=(), held_bytes=block.nested_held_bytes, recompute_s=2 * nothing.recompute_s, plain=False,
-                   nested=True),)
+                   nested=True, slices=block.nested_slices, pieces=block.nested_pieces),)
     return (plain, *reversed(middle), *nested, nothing)

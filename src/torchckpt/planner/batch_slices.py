@@ -1,0 +1,119 @@
+"""Which blocks may run in slices of the batch (``profile(..., batch_slices=k)``): those whose outputs are bitwise
+equal run whole and in slices, on the profiled inputs.
+
+Rule **[only blocks measured exact are sliced]**: one forward pass without gradients runs the model to its last
+block; before each block runs, its own inputs are run through it whole and then in ``k`` slices
+(``executor.batch_slices.run_in_slices``), each from the same RNG state, and the block may be sliced only where
+every output is bitwise equal (executor/batch_slices.py's [slicing must not change the values]). A block that
+draws random numbers (dropout), mixes samples (BatchNorm in training) or whose kernels sum in another order for
+fewer rows fails here and keeps its other options; the reason is noted. Parameters, buffers and RNG streams are
+put back afterwards, so the check changes nothing the steps measure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchckpt._host import preserved_state
+from torchckpt.executor.batch_slices import run_in_slices
+from torchckpt.planner.runner import StepRunner
+
+__all__ = ["check_batch_slices", "sliceable_blocks"]
+
+
+def check_batch_slices(batch_slices: object) -> int:
+    """``batch_slices`` checked: an int >= 1 (1: blocks are never sliced).
+
+    Example:
+        >>> check_batch_slices(4)
+        4
+    """
+    if isinstance(batch_slices, bool) or not isinstance(batch_slices, int) or batch_slices < 1:
+        raise ValueError(f"batch_slices={batch_slices!r}: give an int >= 1, the number of slices of the batch a "
+                         "block may be recomputed in (1, the default, never slices)")
+    return batch_slices
+
+
+class _Stop(Exception):
+    """Raised after the last block ran: the check needs no loss and no backward pass."""
+
+
+def sliceable_blocks(runner: StepRunner, blocks: list[nn.Module], slices: int) -> list[str]:
+    """Per block, why it may not run in ``slices`` slices of the batch ("" where it may), by the module
+    docstring's [only blocks measured exact are sliced].
+
+    Example:
+        >>> from torchckpt.models import gpt
+        >>> model = gpt("tiny", dropout=0.0)
+        >>> runner = StepRunner(model, model.example_batch(batch_size=4, seq_len=16))
+        >>> reasons = sliceable_blocks(runner, list(model.blocks), 2)
+        >>> len(reasons)
+        2
+        >>> gpt_with_dropout = gpt("tiny", dropout=0.1)
+        >>> runner = StepRunner(gpt_with_dropout, gpt_with_dropout.example_batch(batch_size=4, seq_len=16))
+        >>> sliceable_blocks(runner, list(gpt_with_dropout.blocks), 2)[0][:40]
+        'its outputs differ run whole and in 2 sl'
+    """
+    reasons = ["not reached by the forward pass"] * len(blocks)
+    checking = [False]
+
+    def check(index: int) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if checking[0]:
+                return
+            checking[0] = True
+            try:
+                reasons[index] = _reason(module, args, kwargs, slices)
+            finally:
+                checking[0] = False
+        return pre_hook
+
+    def stop(module: nn.Module, args: tuple, output: Any) -> None:
+        if not checking[0]:
+            raise _Stop
+
+    handles = [block.register_forward_pre_hook(check(i), with_kwargs=True) for i, block in enumerate(blocks)]
+    if blocks:
+        handles.append(blocks[-1].register_forward_hook(stop))
+    try:
+        with preserved_state(runner.model), torch.no_grad(), contextlib.suppress(_Stop):
+            runner.forward_backward()
+    except Exception as error:  # noqa: BLE001 - a model that cannot run this way only loses the option
+        return [reason or f"the check failed ({type(error).__name__}: {str(error)[:120]})" for reason in reasons]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return reasons
+
+
+def _reason(block: nn.Module, args: tuple, kwargs: dict, slices: int) -> str:
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() == 0:
+        return "its first argument is not a tensor with a batch dimension"
+    if args[0].shape[0] < 2:
+        return "a batch of one sample"
+    devices = [args[0].device] if args[0].device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            whole = block(*args, **kwargs)
+        with torch.random.fork_rng(devices=devices):
+            sliced = run_in_slices(block, *args, slices=slices, **kwargs)
+    except (RuntimeError, ValueError, TypeError) as error:
+        return f"it cannot run in slices of the batch ({type(error).__name__}: {str(error)[:120]})"
+    if not _equal(whole, sliced):
+        count = min(slices, args[0].shape[0])
+        return (f"its outputs differ run whole and in {count} slices of the batch (random ops such as dropout, "
+                "samples that see each other such as BatchNorm, or kernels that sum in another order for fewer rows)")
+    return ""
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a is b or a == b

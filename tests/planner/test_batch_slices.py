@@ -1,0 +1,108 @@
+"""Blocks recomputed in slices of the batch (``plan(..., batch_slices=k)``): only blocks measured exact are
+sliced, the floor falls below every block's, and a plan there keeps its budget with every gradient bitwise but
+the sliced blocks' parameters (equal to rounding), buffers bitwise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import torchckpt
+from torchckpt.executor.batch_slices import run_in_slices, sliced_checkpoint
+from torchckpt.memory import MemoryMeter
+from torchckpt.models import gpt
+from torchckpt.planner.batch_slices import sliceable_blocks
+from torchckpt.planner.from_costs import floor_over_options
+from torchckpt.planner.plan import Plan
+from torchckpt.planner.runner import StepRunner
+from torchckpt.planner.verify import loss_head_parameters
+
+
+def _floor(costs) -> int:
+    return floor_over_options(costs, allow_regions=True, margin_bytes=costs.margin_bytes)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple:
+    torch.manual_seed(0)
+    model = gpt("tiny", dropout=0.0)
+    return model, model.example_batch(batch_size=8, seq_len=64)
+
+
+def test_a_sliced_recomputation_holds_one_slice_at_a_time() -> None:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 64))
+    x = torch.randn(8, 32, 64)
+    peaks = {}
+    for slices in (1, 4):
+        for p in mlp.parameters():
+            p.grad = None
+        inputs = x.clone().requires_grad_()
+        with MemoryMeter() as meter:
+            sliced_checkpoint(mlp, inputs, slices=slices).sum().backward()
+        peaks[slices] = meter.peak_bytes
+    hidden = 8 * 32 * 512 * 4  # one 512-wide activation of the whole batch
+    assert peaks[1] >= 2 * hidden and peaks[4] <= peaks[1] - hidden, peaks
+
+
+def test_outputs_that_cannot_be_joined_are_refused() -> None:
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="without a batch dimension"):
+        run_in_slices(lambda t: t.sum(), x, slices=2)
+    with pytest.raises(ValueError, match="differs between slices"):
+        run_in_slices(lambda t: (t, object()), x, slices=2)
+    with pytest.raises(ValueError, match="first positional argument must be a tensor"):
+        run_in_slices(lambda t: t, "text", slices=2)
+    assert run_in_slices(lambda t: (t, None, 3), x, slices=2)[1:] == (None, 3)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "4"])
+def test_a_bad_number_of_slices_is_refused_before_profiling(tiny: tuple, bad: object) -> None:
+    model, batch = tiny
+    with pytest.raises(ValueError, match="batch_slices="):
+        torchckpt.plan(model, batch, budget="50%", batch_slices=bad)
+
+
+def test_only_blocks_measured_exact_are_sliced() -> None:
+    torch.manual_seed(0)
+    with_dropout = gpt("tiny", dropout=0.1)
+    runner = StepRunner(with_dropout, with_dropout.example_batch(batch_size=4, seq_len=32))
+    assert all("outputs differ" in reason for reason in sliceable_blocks(runner, list(with_dropout.blocks), 2))
+    norm = nn.Sequential(*[nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3)) for _ in range(2)])
+    images = StepRunner(norm, (torch.randn(4, 3, 8, 8),), loss_fn=lambda out: out.square().mean())
+    assert all("outputs differ" in reason for reason in sliceable_blocks(images, list(norm), 2))
+    before = {name: value.clone() for name, value in norm.state_dict().items()}
+    sliceable_blocks(images, list(norm), 2)
+    assert all(torch.equal(before[name], value) for name, value in norm.state_dict().items())  # put back
+    one = StepRunner(norm, (torch.randn(1, 3, 8, 8),), loss_fn=lambda out: out.square().mean())
+    assert sliceable_blocks(one, list(norm), 2) == ["a batch of one sample"] * 2
+
+
+def test_the_floor_falls_and_a_plan_there_keeps_its_budget(tiny: tuple) -> None:
+    model, batch = tiny
+    whole = torchckpt.profile(model, batch)
+    sliced = torchckpt.profile(model, batch, batch_slices=4)
+    assert sliced.notes["batch slices"].startswith("2 of 2 blocks"), sliced.notes
+    assert _floor(sliced) < 0.75 * _floor(whole), (_floor(sliced), _floor(whole))
+    plan = sliced.plan(_floor(sliced))
+    assert any(piece.slices == 4 for piece in plan.schedule) and "in 4 slices of the batch" in plan.table()
+    report = torchckpt.verify_plan(model, plan, batch)
+    assert report.within_budget and abs(report.prediction_error) <= 0.01, report
+    assert report.gradients_equal and report.buffers_equal, report
+    sliced = tuple(f"blocks.{piece.block}." for piece in plan.schedule if piece.slices > 1)
+    head = {name for _, name in loss_head_parameters(model, plan)}  # a chunked head's weight (tied: wte's)
+    assert report.rounding_only and all(name.startswith(sliced) or name in head for name in report.rounding_only)
+    assert any(name.startswith(sliced) for name in report.rounding_only), report.rounding_only
+    text = plan.to_json()
+    assert json.loads(text)["version"] == 3 and Plan.from_json(text) == plan
+
+
+def test_without_slices_the_floor_names_them_and_nothing_changes(tiny: tuple) -> None:
+    model, batch = tiny
+    costs = torchckpt.profile(model, batch)
+    assert all(block.nested_slices == 1 for block in costs.blocks) and "batch slices" not in costs.notes
+    with pytest.raises(torchckpt.InfeasibleBudgetError, match=r"batch_slices=k"):
+        costs.plan(1)
