@@ -11,8 +11,11 @@ once without an optimizer (plain SGD: no state):
 - at every block's measured peak: bare training steps, interleaved and timed (median of ``--repeats``):
   no checkpointing, every block checkpointed, and torchckpt's plan for that budget; the share of every block's
   recompute cost won back, (t_every_block - t_plan) / (t_every_block - t_no_checkpointing);
-- with AdamW, profiled twice more (without and with the optimizer inside the backward pass): both floors, and what
-  the first is made of (the parts of the infeasible-budget error, which sum to it).
+- with ``batch_slices=4`` (blocks exact in slices of the batch recomputed slice by slice), profiled again: the
+  floor, and the plan there measured;
+- with AdamW, profiled three more times (without and with the optimizer inside the backward pass, and with
+  batch slices): the floors, and what the first and the last are made of (the parts of the infeasible-budget
+  error, which sum to it).
 
     MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python bench/below_every_block.py [--models NAMES] [--repeats 3] [--name N]
 
@@ -40,6 +43,7 @@ from torchckpt.models.registry import load_model
 from torchckpt.planner.from_costs import floor_over_options
 from torchckpt.planner.runner import StepRunner
 
+BATCH_SLICES = 4  # plan(..., batch_slices=4): blocks exact in 4 slices of the batch may be recomputed so
 MODELS = ("hf-llama-32k-4x512", "hf-gpt2-50k-4x512", "gpt-small-8x512", "hf-llama-8x256", "unet-small-b8")
 
 
@@ -86,15 +90,12 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
                               "plain_step_s": costs.step_time_s, "every_block_peak_bytes": every,
                               "plain_head_bytes": costs.head_bytes, "loss_head": costs.loss_head,
                               "floors": floors, "floor_share": {k: v / every for k, v in floors.items()}}
-    plan = costs.plan(floors["both"])
-    report = torchckpt.verify_plan(model, plan, inputs)
-    record["at_floor"] = {"budget_bytes": plan.budget_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
-                          "measured_peak_bytes": report.measured_peak_bytes, "within_budget": report.within_budget,
-                          "prediction_error": report.prediction_error, "gradients_equal": report.gradients_equal,
-                          "rounding_only": list(report.rounding_only),
-                          "rounding_relative_difference": report.rounding_relative_difference,
-                          "loss_head": plan.loss_head,
-                          "nested_blocks": sum(1 for row in plan.decisions() if "nested" in row["decision"])}
+    record["at_floor"] = _at_floor(model, inputs, costs, floors["both"])
+    sliced = torchckpt.profile(model, inputs, batch_slices=BATCH_SLICES)
+    floors[f"batch slices ({BATCH_SLICES})"] = _floor(sliced)
+    record["floor_share"] = {k: v / every for k, v in floors.items()}
+    record["batch_slices_note"] = sliced.notes.get("batch slices", "")
+    record["at_sliced_floor"] = _at_floor(model, inputs, sliced, floors[f"batch slices ({BATCH_SLICES})"])
     at_every = costs.plan(every)
     runner = StepRunner(model, inputs)
     blocks = [model.get_submodule(path) for path in costs.block_paths]
@@ -108,10 +109,26 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters())
     adamw = torchckpt.profile(model, inputs, optimizer=optimizer)
     inside = torchckpt.profile(model, inputs, optimizer=optimizer, optimizer_in_backward=True)
+    adamw_sliced = torchckpt.profile(model, inputs, optimizer=optimizer, batch_slices=BATCH_SLICES)
     record["adamw"] = {"every_block_peak_bytes": adamw.every_block_peak_bytes, "floor_bytes": _floor(adamw),
                        "floor_in_backward_bytes": _floor(inside), "floor_parts": _floor_parts(adamw),
-                       "state_bytes": dict(adamw.state_bytes)}
+                       "state_bytes": dict(adamw.state_bytes), "floor_sliced_bytes": _floor(adamw_sliced),
+                       "floor_sliced_parts": _floor_parts(adamw_sliced)}
     return record
+
+
+def _at_floor(model: Any, inputs: Any, costs: Any, floor: int) -> dict[str, Any]:
+    """The plan at ``floor`` from ``costs``, measured once (``verify_plan``)."""
+    plan = costs.plan(floor)
+    report = torchckpt.verify_plan(model, plan, inputs)
+    rows = plan.decisions()
+    return {"budget_bytes": plan.budget_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "measured_peak_bytes": report.measured_peak_bytes, "within_budget": report.within_budget,
+            "prediction_error": report.prediction_error, "gradients_equal": report.gradients_equal,
+            "rounding_only": list(report.rounding_only),
+            "rounding_relative_difference": report.rounding_relative_difference, "loss_head": plan.loss_head,
+            "nested_blocks": sum(1 for row in rows if "nested" in row["decision"]),
+            "sliced_blocks": sum(1 for row in rows if "slices of the batch" in row["decision"])}
 
 
 def _floor_parts(costs: Any) -> dict[str, Any]:
@@ -132,18 +149,20 @@ def markdown(results: dict[str, Any]) -> str:
              "live tensor bytes (MemoryMeter); floors are the least budget some plan fits (predicted, margin "
              "included); without an optimizer unless the column says AdamW.", "",
              "## Floors, as a share of every block's measured peak", "",
-             "| model | every block | before | pieces nested | loss head in chunks | both | AdamW: every block | "
-             "AdamW floor | AdamW, optimizer in backward |", "|---|---|---|---|---|---|---|---|---|"]
+             f"| model | every block | before | pieces nested | loss head in chunks | both | + batch slices "
+             f"({BATCH_SLICES}) | AdamW: every block | AdamW floor | AdamW, optimizer in backward | AdamW + batch "
+             f"slices ({BATCH_SLICES}) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["models"]:
         share = r["floor_share"]
         a = r["adamw"]
         lines.append(f"| {r['model']} | {format_bytes(r['every_block_peak_bytes'])} | "
                      + " | ".join(f"{format_bytes(r['floors'][k])} ({share[k]:.2f}x)" for k in
-                                  ("before", "pieces nested", "loss head in chunks", "both"))
-                     + f" | {format_bytes(a['every_block_peak_bytes'])} | {format_bytes(a['floor_bytes'])} "
-                     f"({a['floor_bytes'] / a['every_block_peak_bytes']:.2f}x) | "
-                     f"{format_bytes(a['floor_in_backward_bytes'])} "
-                     f"({a['floor_in_backward_bytes'] / a['every_block_peak_bytes']:.2f}x) |")
+                                  ("before", "pieces nested", "loss head in chunks", "both",
+                                   f"batch slices ({BATCH_SLICES})"))
+                     + f" | {format_bytes(a['every_block_peak_bytes'])} | "
+                     + " | ".join(f"{format_bytes(a[k])} ({a[k] / a['every_block_peak_bytes']:.2f}x)" for k in
+                                  ("floor_bytes", "floor_in_backward_bytes", "floor_sliced_bytes")) + " |")
+    lines += ["", f"Batch slices: {'; '.join(r['model'] + ': ' + r['batch_slices_note'] for r in results['models'])}."]
     lines += ["", "## What the AdamW floor is made of", "",
               "The floor's parts sum to it exactly (solve/floor_parts.py); \"the block itself\" is the binding "
               "block's own need, the gradients made by then included. \"0.6x needs\" is what the activations "
@@ -152,9 +171,10 @@ def markdown(results: dict[str, Any]) -> str:
               "| model | floor | parameters | optimizer state | gradients (all) | rest outside the blocks | "
               "checkpointed inputs | other held | the block itself | margin | binding | activations | 0.6x needs |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results["models"]:
+    for r, label, key in [(r, label, key) for r in results["models"] for label, key in (
+            ("", "floor_parts"), (f" + batch slices ({BATCH_SLICES})", "floor_sliced_parts"))]:
         a = r["adamw"]
-        p = a["floor_parts"]
+        p = a[key]
         activations = p["checkpoint_bytes"] + p["other_held_bytes"] + p["own_bytes"]
         allowed = 0.6 * a["every_block_peak_bytes"] - (p["floor_bytes"] - activations)
         cells = [format_bytes(p["floor_bytes"]), format_bytes(p["parameters_bytes"]),
@@ -163,20 +183,20 @@ def markdown(results: dict[str, Any]) -> str:
                  format_bytes(p["other_held_bytes"]), format_bytes(p["own_bytes"]), format_bytes(p["margin_bytes"]),
                  p["binding"], format_bytes(activations),
                  format_bytes(int(allowed)) if allowed > 0 else "unreachable: the rest is over 0.6x"]
-        lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['model']}{label} | " + " | ".join(cells) + " |")
     lines += ["", "## The plan at the floor, measured", "",
-              "| model | budget | predicted | measured | within | error | head | nested blocks | gradients |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in results["models"]:
-        f = r["at_floor"]
+              "| model | budget | predicted | measured | within | error | head | nested blocks | sliced blocks | "
+              "gradients |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r, label, f in [(r, label, r[key]) for r in results["models"] for label, key in (
+            ("", "at_floor"), (f" + batch slices ({BATCH_SLICES})", "at_sliced_floor"))]:
         grads = "bitwise" if f["gradients_equal"] else "DIFFER"
         if f["rounding_only"]:
             grads += f" but {', '.join(f['rounding_only'])} (to rounding, {f['rounding_relative_difference']:.1g})"
         head = f"chunks of {f['loss_head']['chunk_tokens']}" if f["loss_head"] else "whole"
-        lines.append(f"| {r['model']} | {format_bytes(f['budget_bytes'])} | "
+        lines.append(f"| {r['model']}{label} | {format_bytes(f['budget_bytes'])} | "
                      f"{format_bytes(f['predicted_peak_bytes'])} | {format_bytes(f['measured_peak_bytes'])} | "
                      f"{'yes' if f['within_budget'] else '**NO**'} | "
-                     f"{f['prediction_error']:+.2%} | {head} | {f['nested_blocks']} | {grads} |")
+                     f"{f['prediction_error']:+.2%} | {head} | {f['nested_blocks']} | {f['sliced_blocks']} | {grads} |")
     lines += ["", f"## At every block's measured peak: bare steps, median of {results['repeats']} "
               "(min-max), interleaved", "",
               "| model | no checkpointing | every block | torchckpt | share of every block's recompute cost won back |",
@@ -201,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     torch.set_num_threads(1)
-    results = run_record(Path(__file__).parent, repeats=args.repeats,
-                         models=[measure(name, args.repeats) for name in args.models.split(",")])
+    results = run_record(Path(__file__).parent, repeats=args.repeats)  # the commit and time it starts on
+    results["models"] = [measure(name, args.repeats) for name in args.models.split(",")]
     write_results(results, args.out_dir, f"{args.name}.json")
     text = markdown(results)
     (Path(args.out_dir) / f"{args.name}.md").write_text(text)

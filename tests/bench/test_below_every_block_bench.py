@@ -24,8 +24,10 @@ def test_writes_floors_a_verified_plan_and_timings(tmp_path: Path, capsys: pytes
     floors = model["floors"]
     assert floors["both"] <= min(floors["pieces nested"], floors["loss head in chunks"]) <= floors["before"]
     assert floors["before"] <= model["every_block_peak_bytes"]
-    at_floor = model["at_floor"]
-    assert at_floor["within_budget"] and at_floor["gradients_equal"] and abs(at_floor["prediction_error"]) <= 0.01
+    for key in ("at_floor", "at_sliced_floor"):  # with batch slices too: within budget, predicted, gradients
+        at_floor = model[key]
+        assert at_floor["within_budget"] and at_floor["gradients_equal"] and abs(at_floor["prediction_error"]) <= 0.01
+    assert floors["batch slices (4)"] <= floors["both"] and "slices of the batch" in model["batch_slices_note"]
     times = model["at_every_block_peak"]["times"]
     assert set(times) == {"no checkpointing", "every block", "torchckpt"}
     assert all(t["median_s"] > 0 for t in times.values())
