@@ -149,3 +149,13 @@ def test_points_below_two_is_an_argparse_error(capsys: pytest.CaptureFixture[str
         main(["frontier", "--points", "1"])
     assert exit_info.value.code == 2
     assert "must be a whole number >= 2" in capsys.readouterr().err
+
+
+def test_batch_slices_are_offered_where_exact_and_the_table_says_which(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "plan", "--model", "gpt-tiny", "--batch-size", "8", "--seq-len", "32",
+                        "--batch-slices", "4", "--budget", "100%")
+    assert code == 0 and "batch slices: 0 of 2 blocks may run in 4 slices" in out  # gpt-tiny trains with dropout
+    assert "outputs differ run whole and in 4 slices" in out
+    with pytest.raises(SystemExit) as caught:  # an argparse error: usage and one line, exit 2
+        main(["plan", "--model", "gpt-tiny", "--batch-slices", "0"])
+    assert caught.value.code == 2 and "--batch-slices: must be a positive integer" in capsys.readouterr().err

@@ -131,7 +131,7 @@ def _profiled(args: argparse.Namespace, action: str) -> Any:
         raise CommandLineError(f"--model {args.model}: importing failed: {type(error).__name__}: {error}") from None
     blocks = resolve_blocks(model, select_blocks(model, args.blocks) if args.blocks else "auto")
     with console.status(f"profiling {args.model} ...") as status:
-        costs = profile(model, batch, blocks=blocks, loss_fn=loss_fn, step_fn=step_fn,
+        costs = profile(model, batch, blocks=blocks, loss_fn=loss_fn, step_fn=step_fn, batch_slices=args.batch_slices,
                         progress=lambda message: status.update(f"{args.model}: {message}"))
         status.update(f"{args.model}: solving")
         paths = block_paths(model, blocks)
@@ -204,6 +204,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss", metavar="FILE.py:FN",
                         help="the loss: FN(output) returns the scalar loss from the model's output (default: the "
                              "output if scalar, else output.loss / output['loss']; a non-scalar output needs --loss)")
+    parser.add_argument("--batch-slices", type=positive_int, default=1, metavar="K",
+                        help="let blocks that are exact in K slices of the batch be recomputed one slice at a time "
+                             "(a lower floor; their weights' gradients then equal to rounding; default 1: never)")
     parser.add_argument("--step", metavar="FILE.py:FN",
                         help="your own training step: FN(model, example_inputs) runs the forward, calls "
                              "loss.backward() and returns the loss; use it when your loop keeps the output (the "

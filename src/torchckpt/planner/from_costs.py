@@ -222,7 +222,7 @@ def plan_from_costs(costs: CostModel, budget: int | str, *, block_paths: Sequenc
     menus = [solver.block_menu(block) for block in option.blocks]
     applied = solver.schedule_margin_bytes(option, solution.schedule, margin_bytes)
     notes = {} if no_regions is None or len(costs.blocks) < 2 else {"regions": no_regions}
-    for name in ("not recomputed", "other blocks"):  # repeat.py's and other_blocks.py's rules
+    for name in ("not recomputed", "other blocks", "batch slices"):  # repeat.py's, other_blocks.py's, batch_slices.py's
         if name in costs.notes:
             notes[name] = costs.notes[name]
     head_note = loss_head_note(costs, chosen=bool(head))
