@@ -66,6 +66,13 @@ def test_a_bad_number_of_slices_is_refused_before_profiling(tiny: tuple, bad: ob
         torchckpt.plan(model, batch, budget="50%", batch_slices=bad)
 
 
+def test_with_the_optimizer_in_the_backward_pass_slices_are_refused(tiny: tuple) -> None:
+    model, batch = tiny
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="plan with one of the two"):
+        torchckpt.plan(model, batch, budget="50%", optimizer=optimizer, optimizer_in_backward=True, batch_slices=2)
+
+
 def test_only_blocks_measured_exact_are_sliced() -> None:
     torch.manual_seed(0)
     with_dropout = gpt("tiny", dropout=0.1)

@@ -59,7 +59,8 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     ``batch_slices`` k > 1 (opt-in, one process): a block whose outputs are bitwise equal run whole and in k
     slices of the batch may be recomputed slice by slice (``profile``), so that its recomputation holds one
     slice's activations; the gradients of such a block's parameters, summed slice by slice, then equal the
-    unsliced ones to rounding (``verify_plan`` compares them so), every other gradient stays bitwise.
+    unsliced ones to rounding (``verify_plan`` compares them so), every other gradient stays bitwise. Not with
+    ``optimizer_in_backward=True`` (the update inside the backward pass can magnify that rounding).
 
     ``margin`` is kept below the budget by plans the profiler did not measure (``resolve_margin``):
     ``"auto"`` (64 KiB plus 0.5% of the plain step's activations), bytes, or a share of the budget. No

@@ -62,7 +62,7 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
         notes["pieces"] = "no: not planned under DDP or FSDP2 yet"
     sliced: list[int] = []
     if batch_slices > 1 and group is not None:
-        notes["batch slices"] = "no: not planned under DDP or FSDP2 yet (a parameter's gradient is made once per slice)"
+        notes["batch slices"] = "no: not planned under DDP or FSDP2 yet"
     elif batch_slices > 1:
         say(f"checking which blocks give the same outputs in {batch_slices} slices of the batch")
         reasons = sliceable_blocks(runner, block_list, batch_slices)
