@@ -18,7 +18,7 @@ from torchckpt.planner.batch_slices import sliceable_blocks
 from torchckpt.planner.from_costs import floor_over_options
 from torchckpt.planner.plan import Plan
 from torchckpt.planner.runner import StepRunner
-from torchckpt.planner.verify import loss_head_parameters
+from torchckpt.planner.verify import compare_gradients, loss_head_parameters
 
 
 def _floor(costs) -> int:
@@ -71,6 +71,78 @@ def test_with_the_optimizer_in_the_backward_pass_slices_are_refused(tiny: tuple)
     optimizer = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="plan with one of the two"):
         torchckpt.plan(model, batch, budget="50%", optimizer=optimizer, optimizer_in_backward=True, batch_slices=2)
+
+
+def test_a_batch_not_divisible_by_the_slices_runs_in_as_many() -> None:
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(8, 16), nn.GELU())
+    x = torch.randn(6, 5, 8)
+    calls = []
+    run_in_slices(lambda t: calls.append(t.shape[0]) or t, x, slices=4)  # 6 in 4: tensor_split gives 2, 2, 1, 1
+    assert calls == [2, 2, 1, 1]
+    assert sliced_checkpoint(layer, x, slices=4).shape == (6, 5, 16)
+
+
+def test_another_batch_than_the_planned_one_runs_unsliced_and_says_so() -> None:
+    scale = torch.randn(4, 1)  # no batch dimension, but as long as a batch of 4
+    x = torch.randn(4, 4, 3)
+    with pytest.warns(UserWarning, match="planned to run in slices of a batch of 8 got a batch of 4"):
+        out = sliced_checkpoint(lambda t, s: t * s, x, scale, slices=2, batch=8)
+    assert torch.equal(out, x * scale)
+
+
+class _Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + table
+
+
+class _Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.linear(x)
+
+
+def test_shared_inputs_that_need_a_gradient_and_blocks_that_write_buffers_are_not_sliced() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(5, 8))  # a shared position table: not split, needs a gradient
+            self.blocks = nn.ModuleList([_Shared(), _Shared()])
+            self.counting = nn.ModuleList([_Counting(), _Counting()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x, self.table)
+            for block in self.counting:
+                x = block(x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    model = Model()
+    runner = StepRunner(model, (torch.randn(4, 5, 8),))
+    shared = sliceable_blocks(runner, list(model.blocks), 2)
+    assert all("needs a gradient" in reason for reason in shared), shared
+    counting = sliceable_blocks(runner, list(model.counting), 2)
+    assert all("buffers or the random number generator" in reason for reason in counting), counting
+    assert float(model.counting[0].calls) == 0  # the checks put the buffer back
+
+
+def test_rounding_is_judged_against_the_sliced_block_not_a_zero_gradient() -> None:
+    reference = [(torch.tensor([1.0, -2.0]).numpy().view("uint8"), torch.float32),
+                 (torch.tensor([1e-12]).numpy().view("uint8"), torch.float32)]
+    noisy = [(torch.tensor([1.0, -2.0]).numpy().view("uint8"), torch.float32),
+             (torch.tensor([3e-12]).numpy().view("uint8"), torch.float32)]  # a zero bias's rounding noise
+    assert not compare_gradients(noisy, reference, {0, 1})[0]  # against itself: 200% off
+    assert compare_gradients(noisy, reference, {0, 1}, groups=[[0, 1]])[0]  # against its block's largest: 1e-12
 
 
 def test_only_blocks_measured_exact_are_sliced() -> None:

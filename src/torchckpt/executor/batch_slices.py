@@ -5,7 +5,7 @@ Rules:
 
 1. **[a slice is a checkpoint of its own]** ``sliced_checkpoint`` splits every tensor argument whose first
    dimension is the batch (the first positional argument's first dimension) into ``slices`` parts
-   (``torch.chunk``: views, no copy), runs ``checkpoint(fn, ...)`` on each part in order and concatenates the
+   (``Tensor.tensor_split``: views, no copy), runs ``checkpoint(fn, ...)`` on each part in order and concatenates the
    outputs along the batch. The forward pass keeps what each part's checkpoint keeps (its inputs, views of
    the whole), and the backward pass recomputes the parts one at a time, in reverse.
 2. **[slicing must not change the values]** Slicing is exact only for a call whose every sample's output depends
@@ -23,6 +23,7 @@ Rules:
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -35,12 +36,14 @@ __all__ = ["run_in_slices", "sliced_checkpoint"]
 
 
 def sliced_checkpoint(fn: Callable[..., Any], *args: Any, slices: int, policy: PolicyLike = None,
-                      **kwargs: Any) -> Any:
+                      batch: int = 0, **kwargs: Any) -> Any:
     """``checkpoint(fn, *args, **kwargs)`` run as ``slices`` checkpoints over slices of the batch, outputs joined.
 
     The batch is the first dimension of ``args[0]``; a batch smaller than ``slices`` runs in as many slices as it
     has samples. Only for calls whose samples do not see each other and that draw no random numbers (the
-    module docstring's [slicing must not change the values]).
+    module docstring's [slicing must not change the values]). ``batch`` > 0: the batch size slicing was checked
+    on; a call with another batch (a short last batch) runs as one plain checkpoint, with a ``UserWarning``, since
+    another argument's first dimension might then equal the batch by chance and be split wrongly.
 
     Example:
         >>> layer = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
@@ -52,6 +55,11 @@ def sliced_checkpoint(fn: Callable[..., Any], *args: Any, slices: int, policy: P
         >>> x.grad.shape
         torch.Size([6, 8])
     """
+    if batch and args and isinstance(args[0], torch.Tensor) and args[0].dim() and args[0].shape[0] != batch:
+        warnings.warn(f"a block planned to run in slices of a batch of {batch} got a batch of {args[0].shape[0]}: it "
+                      "runs unsliced (exact, but its recomputation holds the whole batch; the plan's peak was "
+                      "predicted for the planned batch)", UserWarning, stacklevel=2)
+        return checkpoint(fn, *args, policy=policy, **kwargs)
     return run_in_slices(functools.partial(checkpoint, fn, policy=policy), *args, slices=slices, **kwargs)
 
 
@@ -83,8 +91,8 @@ def run_in_slices(fn: Callable[..., Any], *args: Any, slices: int, **kwargs: Any
 
 def _slice(value: Any, batch: int, count: int, index: int) -> Any:
     """Part ``index`` of ``count`` of every batch-first tensor in ``value`` (tuples and lists too)."""
-    if isinstance(value, torch.Tensor):
-        return value.chunk(count)[index] if value.dim() and value.shape[0] == batch else value
+    if isinstance(value, torch.Tensor):  # tensor_split: always ``count`` parts (chunk gives fewer for 6 in 4)
+        return value.tensor_split(count)[index] if value.dim() and value.shape[0] == batch else value
     if isinstance(value, (tuple, list)):
         return type(value)(_slice(item, batch, count, index) for item in value)
     return value

@@ -71,7 +71,7 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
                               ops=piece.keep_ops if piece.keep_ops or not piece.keep else None)
             if piece.slices > 1:  # executor/batch_slices.py's [a slice is a checkpoint of its own]
                 wrap_forward(block, functools.partial(sliced_checkpoint, block.forward, slices=piece.slices,
-                                                      policy=policy), wrapped)
+                                                      batch=piece.slice_batch, policy=policy), wrapped)
             else:
                 wrap_forward(block, functools.partial(checkpoint, block.forward, policy=policy), wrapped)
             if piece.nested:  # costs.py's [pieces nested inside a block]

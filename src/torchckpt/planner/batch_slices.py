@@ -1,11 +1,14 @@
 """Which blocks may run in slices of the batch (``profile(..., batch_slices=k)``): those whose outputs are bitwise
 equal run whole and in slices, on the profiled inputs.
 
-Rule **[only blocks measured exact are sliced]**: one forward pass without gradients runs the model to its last
-block; before each block runs, its own inputs are run through it whole and then in ``k`` slices
-(``executor.batch_slices.run_in_slices``), each from the same RNG state, and the block may be sliced only where
-every output is bitwise equal (executor/batch_slices.py's [slicing must not change the values]). A block that
-draws random numbers (dropout), mixes samples (BatchNorm in training) or whose kernels sum in another order for
+Rule **[only blocks measured exact are sliced]**: one forward pass runs the model to its last block (and no
+further: no loss, no backward pass); before each block runs, its own inputs are run through it whole and then in
+``k`` slices (``executor.batch_slices.run_in_slices``, without gradients), each from the same RNG state and
+buffers, and the block may be sliced only where every output, every buffer afterwards and the RNG state
+afterwards are bitwise equal (executor/batch_slices.py's [slicing must not change the values]), and no tensor
+argument that slicing passes whole (no batch dimension) needs a gradient, which would be summed slice by slice
+outside the block's parameters (a shared relative-position table). A block that draws random numbers (dropout),
+mixes samples (BatchNorm in training), counts its calls in a buffer, or whose kernels sum in another order for
 fewer rows fails here and keeps its other options; the reason is noted. Parameters, buffers and RNG streams are
 put back afterwards, so the check changes nothing the steps measure.
 """
@@ -69,6 +72,8 @@ def sliceable_blocks(runner: StepRunner, blocks: list[nn.Module], slices: int) -
             checking[0] = True
             try:
                 reasons[index] = _reason(module, args, kwargs, slices)
+            except Exception as error:  # noqa: BLE001 - this block only loses the option
+                reasons[index] = f"the check failed ({type(error).__name__}: {str(error)[:120]})"
             finally:
                 checking[0] = False
         return pre_hook
@@ -81,7 +86,9 @@ def sliceable_blocks(runner: StepRunner, blocks: list[nn.Module], slices: int) -
     if blocks:
         handles.append(blocks[-1].register_forward_hook(stop))
     try:
-        with preserved_state(runner.model), torch.no_grad(), contextlib.suppress(_Stop):
+        # gradients on, so that an argument that needs one is seen ([only blocks measured exact are sliced]);
+        # the runs it compares go without; the forward pass stops after the last block, before any backward pass
+        with preserved_state(runner.model), contextlib.suppress(_Stop):
             runner.forward_backward()
     except Exception as error:  # noqa: BLE001 - a model that cannot run this way only loses the option
         return [reason or f"the check failed ({type(error).__name__}: {str(error)[:120]})" for reason in reasons]
@@ -91,24 +98,60 @@ def sliceable_blocks(runner: StepRunner, blocks: list[nn.Module], slices: int) -
     return reasons
 
 
+@torch.no_grad()
 def _reason(block: nn.Module, args: tuple, kwargs: dict, slices: int) -> str:
     if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() == 0:
         return "its first argument is not a tensor with a batch dimension"
     if args[0].shape[0] < 2:
         return "a batch of one sample"
+    batch = args[0].shape[0]
+    shared = [name for name, value in _unsplit_tensors(args, kwargs, batch) if value.requires_grad]
+    if shared:  # its gradient would be summed slice by slice, outside the block's own parameters
+        return (f"its argument {shared[0]} needs a gradient and has no batch dimension, so its gradient would be "
+                "summed slice by slice")
     devices = [args[0].device] if args[0].device.type == "cuda" else []
+    buffers = [b for b in block.buffers()]
+    start = [b.detach().clone() for b in buffers]
     try:
         with torch.random.fork_rng(devices=devices):
             whole = block(*args, **kwargs)
+            after_whole = (torch.get_rng_state(), [b.detach().clone() for b in buffers])
+        for b, value in zip(buffers, start):
+            b.copy_(value)
         with torch.random.fork_rng(devices=devices):
             sliced = run_in_slices(block, *args, slices=slices, **kwargs)
-    except (RuntimeError, ValueError, TypeError) as error:
+            after_sliced = (torch.get_rng_state(), [b.detach().clone() for b in buffers])
+    except Exception as error:  # noqa: BLE001 - any failure only means: not this block
         return f"it cannot run in slices of the batch ({type(error).__name__}: {str(error)[:120]})"
+    finally:
+        for b, value in zip(buffers, start):
+            b.copy_(value)
+    count = min(slices, batch)
     if not _equal(whole, sliced):
-        count = min(slices, args[0].shape[0])
         return (f"its outputs differ run whole and in {count} slices of the batch (random ops such as dropout, "
                 "samples that see each other such as BatchNorm, or kernels that sum in another order for fewer rows)")
+    if not _equal(after_whole, after_sliced):
+        return (f"run in {count} slices it leaves its buffers or the random number generator otherwise than run "
+                "whole (a buffer it writes, or random numbers it draws)")
     return ""
+
+
+def _unsplit_tensors(args: tuple, kwargs: dict, batch: int) -> list[tuple[str, torch.Tensor]]:
+    """The tensor arguments (by name) that slicing passes whole: those without the batch as first dimension."""
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def visit(name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if not (value.dim() and value.shape[0] == batch):
+                found.append((name, value))
+        elif isinstance(value, (tuple, list)):
+            for i, item in enumerate(value):
+                visit(f"{name}[{i}]", item)
+    for i, value in enumerate(args):
+        visit(f"#{i}", value)
+    for key, value in kwargs.items():
+        visit(key, value)
+    return found
 
 
 def _equal(a: Any, b: Any) -> bool:

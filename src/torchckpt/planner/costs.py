@@ -197,6 +197,7 @@ class BlockCosts:
     nested_slices: int = 1  # the nested option runs the block in this many slices of the batch (rule 11)
     nested_pieces: bool = True  # the nested option checkpoints the block's pieces inside it (rule 11)
     nested_forward_peak_bytes: int = -1  # the nested option's forward peak, measured (rule 11); -1: forward_peak_bytes
+    nested_slice_batch: int = 0  # the batch the sliced option was measured on (rule 11); 0: not sliced
     plain_only: str = ""  # why the block may not be recomputed (planner/repeat.py); "": it may
     has_backward: bool = True  # False: its output needs no gradient (frozen, a no-grad input, a no_grad section)
     checkpoint_residue_bytes: int = 0  # what a checkpointed forward leaves alive besides its outputs (measured)
@@ -224,6 +225,10 @@ class BlockCosts:
         if isinstance(forward, bool) or not isinstance(forward, int) or forward < -1:
             raise ValueError(f"BlockCosts({self.name!r}).nested_forward_peak_bytes must be an int >= 0, or -1 (not "
                              f"measured: forward_peak_bytes counts); got {forward!r}")
+        if isinstance(self.nested_slice_batch, bool) or not isinstance(self.nested_slice_batch, int) or \
+                self.nested_slice_batch < 0:
+            raise ValueError(f"BlockCosts({self.name!r}).nested_slice_batch must be an int >= 0; got "
+                             f"{self.nested_slice_batch!r}")
         slices = self.nested_slices
         if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
             raise ValueError(f"BlockCosts({self.name!r}).nested_slices must be an int >= 1; got {slices!r}")

@@ -62,7 +62,7 @@ def plan_pieces(schedule: Sequence[solver.Piece], menus: Sequence[Sequence[solve
     Example:
         >>> option = solver.MenuOption(kept_ops=(), held_bytes=0, recompute_s=0.0, plain=True)
         >>> plan_pieces((solver.Single(block=0, option=0),), [(option,)])
-        (PlannedBlock(block=0, plain=True, keep=(), keep_ops=(), nested=False, slices=1),)
+        (PlannedBlock(block=0, plain=True, keep=(), keep_ops=(), nested=False, slices=1, slice_batch=0),)
     """
     out: list[PlanPiece] = []
     for piece in schedule:
@@ -73,8 +73,9 @@ def plan_pieces(schedule: Sequence[solver.Piece], menus: Sequence[Sequence[solve
         option = menus[piece.block][piece.option]
         keep = () if option.plain else tuple(option.kept_ops)
         names = occurrence_names(costs.blocks[piece.block], keep) if costs is not None and keep else ()
+        batch = costs.blocks[piece.block].nested_slice_batch if costs is not None and option.slices > 1 else 0
         out.append(PlannedBlock(block=piece.block, plain=option.plain, keep=keep, keep_ops=names,
-                                nested=option.nested and option.pieces, slices=option.slices))
+                                nested=option.nested and option.pieces, slices=option.slices, slice_batch=batch))
     return tuple(out)
 
 

@@ -85,6 +85,7 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
                                              (f"{len(sliced)} blocks in {batch_slices} slices of the batch", sliced),
                                              (f"the loss head ({path}) in chunks", head is not None)) if on)
     say(f"profiling step 6: every block recomputed, with {what}")
+    base, rejected = costs, None
     while True:
         runner.clear_grads()
         try:
@@ -97,7 +98,6 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
                     stack.enter_context(checkpoint_modules(children, policy="nothing_saveable"))
                 chunked = stack.enter_context(chunked_for_profiling(head)) if head is not None else None
                 probe = measure_step(runner, block_list, record_ops=False)
-            break
         except Exception as error:  # noqa: BLE001 - the optional pieces only lose their option
             runner.clear_grads()
             if not children and not sliced:
@@ -108,17 +108,23 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
             _log.info("torchckpt: %s", notes[what_failed])
             children, sliced = [], []
             if head is None:
-                return replace(costs, notes=notes, loss_head={"note": head_note} if head_note else {})
-    runner.clear_grads()
-    if children or sliced:
-        costs = _nested_pieces(block_list, costs, recomputed, probe, sliced, batch_slices, bool(children))
-    entry: dict[str, Any] = {"note": head_note} if head_note else {}
-    if isinstance(head, nn.Linear) and chunked is not None and path is not None:
-        held = sum(b.checkpoint_held_bytes + (b.nested_held_bytes if children or sliced else 0)
-                   for b in costs.blocks)
-        entry = loss_head_entry(path, head, *chunked, probe, held_checkpointed=held, plain_head=costs.head_bytes,
-                                every_block=recomputed)
-    return replace(costs, notes=notes, loss_head=entry)
+                return replace(costs, notes=notes, loss_head=rejected or ({"note": head_note} if head_note else {}))
+            continue
+        runner.clear_grads()
+        costs = _nested_pieces(block_list, base, recomputed, probe, sliced, batch_slices, bool(children)) \
+            if children or sliced else base
+        entry: dict[str, Any] = rejected or ({"note": head_note} if head_note else {})
+        if isinstance(head, nn.Linear) and chunked is not None and path is not None:
+            held = sum(b.checkpoint_held_bytes + (b.nested_held_bytes if children or sliced else 0)
+                       for b in costs.blocks)
+            entry = loss_head_entry(path, head, *chunked, probe, held_checkpointed=held, plain_head=costs.head_bytes,
+                                    every_block=recomputed)
+        if head is not None and "chunk_tokens" not in entry and (children or sliced):
+            # the head's measurement was refused, and the blocks' figures from its step may carry what it left
+            # (deferred logits materialised inside a block): the blocks are measured again without it
+            head, rejected = None, entry
+            continue
+        return replace(costs, notes=notes, loss_head=entry)
 
 
 @contextlib.contextmanager
@@ -160,7 +166,8 @@ def _nested_pieces(block_list: list[nn.Module], costs: ChainCosts, recomputed: P
         # blocks before hold in this step, and the block's input; only a sliced forward differs from the plain one
         forward = max(0, trace.forward_peak - (fixed + last_output + held + block.input_bytes)) if i in sliced else -1
         updated.append(replace(block, nested_recompute_peak_bytes=nested, nested_held_bytes=extra,
-                               nested_slices=slices if i in sliced else 1,
+                               nested_slices=min(slices, trace.input_shape[0]) if i in sliced else 1,
+                               nested_slice_batch=trace.input_shape[0] if i in sliced else 0,
                                nested_pieces=bool(pieces_nested and i not in sliced and block_pieces(block_list[i])),
                                nested_forward_peak_bytes=forward))
         held += block.checkpoint_held_bytes + extra

@@ -68,6 +68,7 @@ class PlannedBlock:
     keep_ops: tuple[str, ...] = ()
     nested: bool = False  # its pieces checkpointed inside it (costs.py's [pieces nested inside a block])
     slices: int = 1  # run in this many slices of the batch, keeping nothing (executor/batch_slices.py)
+    slice_batch: int = 0  # ... of a batch this large (as profiled); another batch runs unsliced, with a warning
 
     def __post_init__(self) -> None:
         check_index("PlannedBlock.block", self.block)
@@ -77,6 +78,8 @@ class PlannedBlock:
             raise ValueError(f"PlannedBlock.nested must be a bool; got {self.nested!r}")
         if isinstance(self.slices, bool) or not isinstance(self.slices, int) or self.slices < 1:
             raise ValueError(f"PlannedBlock.slices must be an int >= 1; got {self.slices!r}")
+        if isinstance(self.slice_batch, bool) or not isinstance(self.slice_batch, int) or self.slice_batch < 0:
+            raise ValueError(f"PlannedBlock.slice_batch must be an int >= 0; got {self.slice_batch!r}")
         if (self.nested or self.slices > 1) and (self.plain or tuple(self.keep)):
             raise ValueError(f"PlannedBlock(block={self.block}) nests its pieces or runs in slices of the batch: it "
                              "must be checkpointed keeping nothing (plain=False, no keep)")
@@ -156,6 +159,7 @@ def _piece_to_json(piece: PlanPiece) -> dict[str, Any]:
         entry["nested"] = True
     if piece.slices > 1:
         entry["slices"] = piece.slices
+        entry["slice_batch"] = piece.slice_batch
     if not piece.plain:
         entry["keep"] = list(piece.keep)
         if piece.keep_ops:
@@ -171,7 +175,7 @@ def _piece_from_json(entry: Any) -> PlanPiece:
         return PlannedRegion(start=start, stop=stop, inner=tuple(_piece_from_json(p) for p in entry["inner"]))
     return PlannedBlock(block=entry["block"], plain=entry["plain"], keep=tuple(entry.get("keep", ())),
                         keep_ops=tuple(entry.get("keep_ops", ())), nested=entry.get("nested", False),
-                        slices=entry.get("slices", 1))
+                        slices=entry.get("slices", 1), slice_batch=entry.get("slice_batch", 0))
 
 
 def fingerprint(model: nn.Module, example_inputs: tuple | dict, block_paths: list[str]) -> dict[str, Any]:

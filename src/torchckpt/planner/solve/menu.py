@@ -107,6 +107,7 @@ def block_menu(block: BlockCosts) -> tuple[MenuOption, ...]:
     # costs.py's [pieces nested inside a block]: just before keep-nothing (which stays last), when it peaks lower
     whole = block.saved_bytes + block.backward_peak_bytes + block.recompute_peak_bytes
     nested = () if not 0 <= block.nested_recompute_peak_bytes + block.nested_held_bytes < whole else (
-        MenuOption(kept_ops=(), held_bytes=block.nested_held_bytes, recompute_s=2 * nothing.recompute_s, plain=False,
+        MenuOption(kept_ops=(), held_bytes=block.nested_held_bytes,  # pieces run once more, slices do not
+                   recompute_s=(2 if block.nested_pieces else 1) * nothing.recompute_s, plain=False,
                    nested=True, slices=block.nested_slices, pieces=block.nested_pieces),)
     return (plain, *reversed(middle), *nested, nothing)
