@@ -191,7 +191,9 @@ def markdown(results: dict[str, Any]) -> str:
             ("", "at_floor"), (f" + batch slices ({BATCH_SLICES})", "at_sliced_floor"))]:
         grads = "bitwise" if f["gradients_equal"] else "DIFFER"
         if f["rounding_only"]:
-            grads += f" but {', '.join(f['rounding_only'])} (to rounding, {f['rounding_relative_difference']:.1g})"
+            names = f["rounding_only"]
+            shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+            grads += f" but {shown} (to rounding, {f['rounding_relative_difference']:.1g})"
         head = f"chunks of {f['loss_head']['chunk_tokens']}" if f["loss_head"] else "whole"
         lines.append(f"| {r['model']}{label} | {format_bytes(f['budget_bytes'])} | "
                      f"{format_bytes(f['predicted_peak_bytes'])} | {format_bytes(f['measured_peak_bytes'])} | "

@@ -5,7 +5,10 @@ Rule **[only blocks measured exact are sliced]**: one forward pass runs the mode
 further: no loss, no backward pass); before each block runs, its own inputs are run through it whole and then in
 ``k`` slices (``executor.batch_slices.run_in_slices``, without gradients), each from the same RNG state and
 buffers, and the block may be sliced only where every output, every buffer afterwards and the RNG state
-afterwards are bitwise equal (executor/batch_slices.py's [slicing must not change the values]), and no tensor
+afterwards are bitwise equal (executor/batch_slices.py's [slicing must not change the values]), so are the
+gradients of its batch inputs for one output gradient drawn from a private generator (its parameters' to
+rounding: ``verify.ROUNDING_EPS_FACTOR`` epsilons of the block's largest; a convolution's backward kernel may sum
+in another order for fewer samples), and no tensor
 argument that slicing passes whole (no batch dimension) needs a gradient, which would be summed slice by slice
 outside the block's parameters (a shared relative-position table). A block that draws random numbers (dropout),
 mixes samples (BatchNorm in training), counts its calls in a buffer, or whose kernels sum in another order for
@@ -21,10 +24,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from torchckpt._host import preserved_state
 from torchckpt.executor.batch_slices import run_in_slices
 from torchckpt.planner.runner import StepRunner
+from torchckpt.planner.verify import ROUNDING_EPS_FACTOR
 
 __all__ = ["check_batch_slices", "sliceable_blocks"]
 
@@ -121,18 +126,66 @@ def _reason(block: nn.Module, args: tuple, kwargs: dict, slices: int) -> str:
         with torch.random.fork_rng(devices=devices):
             sliced = run_in_slices(block, *args, slices=slices, **kwargs)
             after_sliced = (torch.get_rng_state(), [b.detach().clone() for b in buffers])
+        for b, value in zip(buffers, start):
+            b.copy_(value)
+        count = min(slices, batch)
+        backward = _backward_reason(block, args, kwargs, slices) if _equal(whole, sliced) else ""
     except Exception as error:  # noqa: BLE001 - any failure only means: not this block
         return f"it cannot run in slices of the batch ({type(error).__name__}: {str(error)[:120]})"
     finally:
         for b, value in zip(buffers, start):
             b.copy_(value)
-    count = min(slices, batch)
     if not _equal(whole, sliced):
         return (f"its outputs differ run whole and in {count} slices of the batch (random ops such as dropout, "
                 "samples that see each other such as BatchNorm, or kernels that sum in another order for fewer rows)")
     if not _equal(after_whole, after_sliced):
         return (f"run in {count} slices it leaves its buffers or the random number generator otherwise than run "
                 "whole (a buffer it writes, or random numbers it draws)")
+    return backward
+
+
+def _backward_reason(block: nn.Module, args: tuple, kwargs: dict, slices: int) -> str:
+    """Why the block's backward pass is not exact in slices: its inputs' gradients must be bitwise equal, its
+    parameters' equal to rounding (``verify.ROUNDING_EPS_FACTOR`` epsilons of the block's largest gradient), for
+    one output gradient drawn from a private generator."""
+    batch = args[0].shape[0]
+    params = [p for p in block.parameters() if p.requires_grad]
+
+    def gradients(fn: Callable[..., Any]) -> list[torch.Tensor | None]:
+        leaves: list[torch.Tensor] = []
+
+        def leaf(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch and \
+                    value.is_floating_point():
+                leaves.append(value.detach().requires_grad_())
+                return leaves[-1]
+            if isinstance(value, (tuple, list)):
+                return type(value)(leaf(item) for item in value)
+            return value
+        call_args, call_kwargs = leaf(args), {name: leaf(value) for name, value in kwargs.items()}
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+            outputs = [t for t in tree_flatten(fn(*call_args, **call_kwargs))[0]
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+        generator = torch.Generator().manual_seed(0)
+        seeds = [torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) for t in outputs]
+        wanted: list[torch.Tensor] = [*leaves, *params]
+        found = torch.autograd.grad(outputs, wanted, seeds, allow_unused=True) if outputs else ()
+        return list(found)
+
+    whole = gradients(block)
+    sliced = gradients(lambda *a, **k: run_in_slices(block, *a, slices=slices, **k))
+    inputs = len(whole) - len(params)
+    if not all(_equal(a, b) for a, b in zip(whole[:inputs], sliced[:inputs])):
+        return (f"its inputs' gradients differ run whole and in {min(slices, batch)} slices of the batch (a backward "
+                "kernel that sums in another order for fewer samples, as some convolutions do)")
+    largest = max((g.abs().max().item() for g in whole[inputs:] if g is not None and g.numel()), default=0.0)
+    for param, a, b in zip(params, whole[inputs:], sliced[inputs:]):
+        if (a is None) != (b is None):
+            return "its parameters' gradients differ run whole and in slices"
+        if a is not None and b is not None and (a - b).abs().max().item() > (
+                ROUNDING_EPS_FACTOR * torch.finfo(param.dtype).eps * largest):
+            return (f"its parameters' gradients differ run whole and in {min(slices, batch)} slices by more than "
+                    f"rounding ({ROUNDING_EPS_FACTOR} epsilons of the block's largest gradient)")
     return ""
 
 
