@@ -136,6 +136,37 @@ def test_shared_inputs_that_need_a_gradient_and_blocks_that_write_buffers_are_no
     assert float(model.counting[0].calls) == 0  # the checks put the buffer back
 
 
+class _BatchSizedBackward(torch.autograd.Function):
+    """Identity forward; a backward that depends on how many samples it sees (as a kernel that sums in another
+    order for fewer samples may, at rounding scale)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        ctx.samples = x.shape[0]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return grad * (1 + 1e-3 * ctx.samples)
+
+
+class _OddBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(_BatchSizedBackward.apply(x))
+
+
+def test_a_block_whose_backward_is_not_exact_in_slices_is_not_sliced() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_OddBackward(), _OddBackward())
+    runner = StepRunner(model, (torch.randn(4, 5, 8),), loss_fn=lambda out: out.square().mean())
+    reasons = sliceable_blocks(runner, list(model), 2)
+    assert all("inputs' gradients differ" in reason for reason in reasons), reasons
+
+
 def test_rounding_is_judged_against_the_sliced_block_not_a_zero_gradient() -> None:
     reference = [(torch.tensor([1.0, -2.0]).numpy().view("uint8"), torch.float32),
                  (torch.tensor([1e-12]).numpy().view("uint8"), torch.float32)]
