@@ -145,7 +145,8 @@ def markdown(results: dict[str, Any]) -> str:
     """The results as a Markdown report."""
     lines = ["# Below every block", "",
              f"Commit {results['commit']}; {results['machine']}, {results['cpu_count']} CPUs, 1 torch thread. "
-             "Command: `MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python bench/below_every_block.py`. Peaks are exact "
+             "Command: `MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python bench/below_every_block.py"
+             f"{results.get('args', '')}`. Peaks are exact "
              "live tensor bytes (MemoryMeter); floors are the least budget some plan fits (predicted, margin "
              "included); without an optimizer unless the column says AdamW.", "",
              "## Floors, as a share of every block's measured peak", "",
@@ -223,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     torch.set_num_threads(1)
-    results = run_record(Path(__file__).parent, repeats=args.repeats)  # the commit and time it starts on
+    chosen = "" if args.models == ",".join(MODELS) else f" --models {args.models}"
+    chosen += "" if args.name == "below_every_block" else f" --name {args.name}"
+    results = run_record(Path(__file__).parent, repeats=args.repeats, args=chosen)  # the commit it starts on
     results["models"] = [measure(name, args.repeats) for name in args.models.split(",")]
     write_results(results, args.out_dir, f"{args.name}.json")
     text = markdown(results)
