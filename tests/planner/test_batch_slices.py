@@ -4,6 +4,8 @@ the sliced blocks' parameters (equal to rounding), buffers bitwise."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 
 import pytest
@@ -15,9 +17,10 @@ from torchckpt.executor.batch_slices import run_in_slices, sliced_checkpoint
 from torchckpt.memory import MemoryMeter
 from torchckpt.models import gpt
 from torchckpt.planner.batch_slices import sliceable_blocks
-from torchckpt.planner.from_costs import floor_over_options
+from torchckpt.planner.from_costs import floor_over_options, plan_pieces
 from torchckpt.planner.plan import Plan
 from torchckpt.planner.runner import StepRunner
+from torchckpt.planner.solve import Single, block_menu, evaluate
 from torchckpt.planner.verify import compare_gradients, loss_head_parameters
 
 
@@ -216,3 +219,21 @@ def test_without_slices_the_floor_names_them_and_nothing_changes(tiny: tuple) ->
     assert all(block.nested_slices == 1 for block in costs.blocks) and "batch slices" not in costs.notes
     with pytest.raises(torchckpt.InfeasibleBudgetError, match=r"batch_slices=k"):
         costs.plan(1)
+
+
+def test_every_schedule_mixing_sliced_checkpointed_and_plain_blocks_is_predicted_from_above(tiny: tuple) -> None:
+    """Sliced blocks are measured all sliced at once; each mix with plain and keep-nothing neighbours must still be
+    predicted at or above its measured peak (a budget is a promise), and within 1% of it."""
+    model, batch = tiny
+    costs = torchckpt.profile(model, batch, batch_slices=4, loss_head=False)
+    menus = [block_menu(block) for block in costs.blocks]
+    choices = [[0, next(i for i, option in enumerate(menu) if option.slices > 1), len(menu) - 1] for menu in menus]
+    base = costs.plan("100%")
+    for combo in itertools.product(*choices):
+        schedule = tuple(Single(block=b, option=o) for b, o in enumerate(combo))
+        predicted, _ = evaluate(costs, schedule)
+        plan = dataclasses.replace(base, schedule=plan_pieces(schedule, menus, costs), budget_bytes=int(predicted),
+                                   predicted_peak_bytes=int(predicted))
+        report = torchckpt.verify_plan(model, plan, batch)
+        assert report.within_budget and report.prediction_error <= 0.01, (combo, report)
+        assert report.gradients_equal and report.buffers_equal, (combo, report)
