@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from torchckpt._units import format_bytes
+from torchckpt.executor import CheckpointHandle, wrap_forward
 from torchckpt.memory import MemoryMeter
 from torchckpt.models import BatchShape, ModelSpecError, gpt, load_model
 from torchckpt.planner import Plan, apply_plan, default_loss, plan_without_side_effects, preserved_state
@@ -131,9 +132,10 @@ def _measure_baselines(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor
         for name, blocks in (("", []), ("every_block_", every_block)):
             if blocks is None:
                 continue
-            for block in blocks:  # an instance attribute; deleting it restores the class's forward
-                block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
-                                                  use_reentrant=False)
+            wrapped: list[nn.Module] = []  # torch's own checkpoint, wrapped as the executor wraps (and undone)
+            for block in blocks:
+                wrap_forward(block, functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
+                                                      use_reentrant=False), wrapped)
             try:
                 for _ in range(2):  # the first step creates AdamW's state (and warms up); the second is measured
                     start = time.perf_counter()
@@ -143,8 +145,7 @@ def _measure_baselines(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor
                         throwaway.zero_grad(set_to_none=True)
                     step_s = time.perf_counter() - start
             finally:
-                for block in blocks:
-                    del block.forward
+                CheckpointHandle(wrapped).remove()
             baselines.update({f"{name}peak_bytes": meter.peak_bytes, f"{name}step_s": step_s})
         del throwaway
     return baselines
