@@ -54,7 +54,12 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
    ``C + H + x_i + saved_bytes_i + backward_peak_bytes_i (+ recompute_peak_bytes_i if checkpointed;
    with its pieces nested, rule 11 replaces the last three terms)
    (+ y_i unless i is block n-1, whose incoming gradient is already in C)``, less ``x_i`` for a plain
-   block without ``input_held_when_plain``.
+   block without ``input_held_when_plain``. A block that keeps some ops' outputs adds its menu option's
+   ``recompute_extra_bytes`` (solve/menu.py's [kept outputs wait for their op]): while the recompute runs
+   from the block's input, each kept output waits in the cache until the recompute reaches its op, beside
+   what the plain forward had alive there (``OpCosts.alive_bytes``), which can peak above the keep-nothing
+   recompute (an early, large temporary recomputed while late kept outputs wait: DeBERTa's relative
+   attention measured 1.2 MB over its prediction before this term).
    A region's inside is evaluated as a chain with ``C' = C + H + region_recompute_bytes`` (plus
    ``x_first``, the region's input, which the region holds through its backward pass, when its first
    block does not hold its input when plain, and the first block's ``freed_side_input_bytes``;
@@ -164,6 +169,9 @@ class OpCosts:
     keeping it under checkpointing saves its recomputation without adding memory beyond ``saved_bytes``;
     and the executor can keep it (it is not a random, in-place or view op, and not written in place
     later). Only ``saved`` ops appear in menus, so every menu option is one the executor realises.
+    ``alive_bytes``: what was alive in the block's plain forward pass just after this op ran, above what was
+    alive when the block began (measured; -1: not measured, as in cost models written by hand), for
+    [backward peak]'s kept outputs waiting in the cache.
     """
 
     index: int
@@ -171,9 +179,13 @@ class OpCosts:
     output_bytes: int
     saved: bool
     time_s: float
+    alive_bytes: int = -1  # bytes alive in the block's plain forward just after this op, above the block's start
 
     def __post_init__(self) -> None:
         _check_non_negative("OpCosts", index=self.index, output_bytes=self.output_bytes, time_s=self.time_s)
+        if not isinstance(self.alive_bytes, int) or self.alive_bytes < -1:
+            raise ValueError(f"OpCosts({self.name!r}).alive_bytes must be an int >= 0, or -1 (not measured); "
+                             f"got {self.alive_bytes!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

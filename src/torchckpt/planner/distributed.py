@@ -207,7 +207,7 @@ def _numbers(costs: ChainCosts) -> list[float]:
                    b.freed_side_input_bytes, b.nested_recompute_peak_bytes, b.nested_held_bytes,
                    float(b.has_backward), b.checkpoint_residue_bytes]
         for op in b.ops:
-            values += [op.output_bytes, op.time_s]
+            values += [op.output_bytes, op.time_s, op.alive_bytes]
     return [float(v) for v in values]
 
 
@@ -230,7 +230,7 @@ def _rebuild(costs: ChainCosts, numbers: list[float], notes: dict[str, str]) -> 
                      nested_recompute_peak_bytes=whole(), nested_held_bytes=whole(),
                      has_backward=next(it) > 0, checkpoint_residue_bytes=whole())
         for op in block["ops"]:
-            op.update(output_bytes=whole(), time_s=next(it))
+            op.update(output_bytes=whole(), time_s=next(it), alive_bytes=whole())
     data["notes"] = notes
     if not data["chain"] and "chain" not in notes:  # rank 0 found a chain, another did not
         data["notes"]["chain"] = "no: another rank's profile found the blocks are not a plain chain"

@@ -12,8 +12,12 @@ nested too when the profile measures those, in the same step) and the head chunk
 ``loss_head["head_bytes"]`` is its peak between the last block's forward and the first block's backward above
 ``fixed`` and what the checkpointed blocks hold (costs.py's [forward-end peak]), or, if larger, the plain
 ``head_bytes`` less what chunking saved against the profile's own step with every block checkpointed.
-``loss_head["extra_time_s"]`` is what the chunked backward pass adds: the head's logits and log-softmax once
-more, timed bare on a tensor of the head input's shape (the least of three).
+``loss_head["extra_time_s"]`` is what the chunked head adds to a step: one more bare step, with the head in
+chunks and no block checkpointed, less the profile's bare plain step; at least the head's logits and log-softmax
+once more, timed bare on a tensor of the head input's shape (the least of three), the part timing noise cannot
+hide. (The second figure alone predicted an HF Llama's 32k-vocabulary head at 0.92 s a step on this project's
+CPU; it measured 1.74 s, as its chunks' smaller products and the weight gradient summed chunk by chunk cost
+more than the plain head's, and plans chose it where checkpointing every block was faster.)
 """
 
 from __future__ import annotations

@@ -23,9 +23,10 @@ from torchckpt.executor import CheckpointHandle, checkpoint_modules, wrap_forwar
 from torchckpt.executor.batch_slices import sliced_checkpoint
 from torchckpt.planner.batch_slices import sliceable_blocks
 from torchckpt.planner.blocks import block_pieces
+from torchckpt.planner.distributed import agree_flag
 from torchckpt.planner.from_costs import ChainCosts
 from torchckpt.planner.head import chunked_for_profiling, find_loss_head, loss_head_entry
-from torchckpt.planner.probe import Probe, measure_step
+from torchckpt.planner.probe import Probe, measure_step, timed_step
 from torchckpt.planner.runner import StepRunner
 
 __all__ = ["HEAD_WORTH_CHUNKING", "measure_options"]
@@ -124,7 +125,17 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
             # (deferred logits materialised inside a block): the blocks are measured again without it
             head, rejected = None, entry
             continue
+        if "chunk_tokens" in entry and head is not None and agree_flag(True, group):
+            entry["extra_time_s"] = _chunked_step_extra_s(runner, head, costs.step_time_s, entry["extra_time_s"])
         return replace(costs, notes=notes, loss_head=entry)
+
+
+def _chunked_step_extra_s(runner: StepRunner, head: nn.Module, plain_step_s: float, recompute_s: float) -> float:
+    """head.py's [the chunked head is measured]: a bare step with the head in chunks and no block checkpointed,
+    less the profile's bare plain step; never less than ``recompute_s``, the logits computed again."""
+    with chunked_for_profiling(head):
+        chunked_s = timed_step(runner)
+    return max(recompute_s, chunked_s - plain_step_s)
 
 
 @contextlib.contextmanager

@@ -19,14 +19,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from torchckpt._host import host_rng_state, same_host_rng
+from torchckpt._host import host_rng_state, paused_gc, same_host_rng
 from torchckpt.executor.policies import TAG_STATE
 from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner.blocks import block_paths, describe_paths, positional_form, structure_key
 from torchckpt.planner.recorder import BlockTrace, Recorder
 from torchckpt.planner.runner import StepRunner
 
-__all__ = ["BlockOrderError", "Probe", "block_times", "measure_step", "time_scale"]
+__all__ = ["BlockOrderError", "Probe", "block_times", "measure_step", "time_scale", "timed_step"]
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -286,6 +286,8 @@ def measure_step(runner: StepRunner, blocks: Sequence[nn.Module], record_ops: bo
 
     with MemoryMeter(device) as meter:
         probe = Probe(blocks, meter, recorder)
+        if recorder is not None:
+            recorder.meter = meter
         try:
             if recorder is not None:
                 with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -398,3 +400,26 @@ def time_scale(times: list[float], plain_step_s: float, every_block_step_s: floa
     scale = measured / total
     return scale, (f"{scale:.4g} (hook-timed forwards {total * 1e3:.1f} ms; every block recomputed measured "
                    f"{measured * 1e3:.1f} ms over a {plain_step_s * 1e3:.1f} ms plain step)")
+
+
+def timed_step(runner: StepRunner) -> float:
+    """Seconds of one bare training step (forward and backward, no meter and no probe), gradients dropped;
+    the garbage collector runs before it and not during it (as ``timeit`` does).
+
+    Example:
+        >>> from torchckpt.models import mlp
+        >>> model = mlp(width=8, depth=2)
+        >>> runner = StepRunner(model, model.example_batch(batch_size=2))
+        >>> timed_step(runner) > 0
+        True
+    """
+    runner.clear_grads()
+    device = runner.device
+    with paused_gc():
+        synchronize(device)
+        start = time.perf_counter()
+        runner.forward_backward()
+        synchronize(device)  # on CUDA the step has only been queued when forward_backward returns
+        elapsed = time.perf_counter() - start
+    runner.clear_grads()
+    return elapsed

@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -83,7 +82,7 @@ from torchckpt.executor import CheckpointHandle, checkpoint_modules
 from torchckpt.executor.compiled import eager_measurement, uncompiled
 from torchckpt.executor.kv_cache import kv_cache_off
 from torchckpt.executor.optimizer_in_backward import optimizer_in_backward as optimizer_in_backward_of
-from torchckpt.memory import MemoryMeter, synchronize
+from torchckpt.memory import MemoryMeter
 from torchckpt.planner import solve as solver
 from torchckpt.planner.apply import wrap_region
 from torchckpt.planner.batch_slices import check_batch_slices
@@ -103,7 +102,7 @@ from torchckpt.planner.layerdrop import layerdrop_off
 from torchckpt.planner.options_step import measure_options
 from torchckpt.planner.other_blocks import other_blocks_note
 from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
-from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step, time_scale
+from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step, time_scale, timed_step
 from torchckpt.planner.repeat import plain_only, unrepeatable_blocks
 from torchckpt.planner.runner import StepFn, StepRunner
 
@@ -277,9 +276,9 @@ def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Ca
     plain = step(record_ops=True)
     runner.clear_grads()
     say("profiling steps 3-4: timing a plain step and one with every block recomputed (no meter, no hooks)")
-    plain_step_s = _timed_step(runner)
+    plain_step_s = timed_step(runner)
     with checkpoint_modules(block_list, policy="nothing_saveable"):
-        every_block_step_s = _timed_step(runner)
+        every_block_step_s = timed_step(runner)
     times = block_times(block_list, recomputed, plain)
     costs = _assemble(plain, recomputed, times, (plain_step_s, every_block_step_s),
                       [type(b).__name__ for b in block_list])
@@ -294,21 +293,6 @@ def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Ca
         say("profiling step 5: a region of two blocks")
         costs = replace(costs, region_recompute_bytes=_region_residue(runner, block_list, costs))
     return measure_options(runner, block_list, costs, recomputed, say, group, **(options or {}))
-
-
-def _timed_step(runner: StepRunner) -> float:
-    """Seconds of one bare training step (forward and backward, no meter and no probe), gradients dropped;
-    the garbage collector runs before it and not during it (as ``timeit`` does)."""
-    runner.clear_grads()
-    device = runner.device
-    with paused_gc():
-        synchronize(device)
-        start = time.perf_counter()
-        runner.forward_backward()
-        synchronize(device)  # on CUDA the step has only been queued when forward_backward returns
-        elapsed = time.perf_counter() - start
-    runner.clear_grads()
-    return elapsed
 
 
 def _region_residue(runner: StepRunner, blocks: list[nn.Module], costs: ChainCosts) -> int:
@@ -389,7 +373,8 @@ def _assemble(plain: Probe, recomputed: Probe, times: list[float], step_times_s:
         op_time_total = sum(op["time_s"] for op in trace.ops) or 1.0
         ops = tuple(OpCosts(index=op["index"], name=op["name"], output_bytes=op["output_bytes"],
                             saved=op["saved"] and op["keepable"] and not op.get("mutated", False),
-                            time_s=op["time_s"] * times[i] / op_time_total) for op in trace.ops)
+                            time_s=op["time_s"] * times[i] / op_time_total, alive_bytes=op.get("alive_bytes", -1))
+                    for op in trace.ops)
         blocks.append(BlockCosts(name=f"{i}:{names[i]}", input_bytes=inputs[i],
                                  output_bytes=trace.output_bytes, saved_bytes=saved[i], forward_time_s=times[i],
                                  forward_peak_bytes=forward, backward_peak_bytes=backward,

@@ -66,6 +66,7 @@ class Recorder(TorchDispatchMode):
         self.watched: dict[int, tuple[weakref.ref, int, bool]] = {}
         self.chain_problems: list[str] = []
         self.between: int | None = None  # outside the blocks: the index of the last block that ran, if not the last
+        self.meter: Any = None  # the step's MemoryMeter (probe.measure_step), read after each op: ``alive_bytes``
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -107,8 +108,9 @@ class Recorder(TorchDispatchMode):
                     self._created[key] = (block, index)
                     self._refs[key] = weakref.ref(storage, functools.partial(self._forget, key))
                     new_bytes += storage.nbytes()
+        alive = -1 if self.meter is None else max(0, self.meter.current_bytes - block.before_forward)
         block.ops.append({"index": index, "name": op_name(func), "output_bytes": new_bytes, "saved": False,
-                          "keepable": can_keep(func, flat_out, tag_name), "time_s": elapsed})
+                          "keepable": can_keep(func, flat_out, tag_name), "time_s": elapsed, "alive_bytes": alive})
         return out
 
     def _check_reads(self, func: Any, flat_args: list) -> None:

@@ -93,7 +93,7 @@ class Chain:
             b.forward_peak_bytes)  # costs.py's [pieces nested inside a block]: a sliced forward, measured
         forward = b.input_bytes + forward_peak + gradient
         incoming = b.output_bytes if block != self.n - 1 else 0
-        recompute = 0 if option.plain else b.recompute_peak_bytes
+        recompute = 0 if option.plain else b.recompute_peak_bytes + option.recompute_extra_bytes
         held_input = self._input_held_bytes(block, option)
         backward = held_input + b.saved_bytes + b.backward_peak_bytes + recompute + incoming
         if option.nested:  # costs.py's [pieces nested inside a block]: measured in place of the last three terms

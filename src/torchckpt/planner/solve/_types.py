@@ -28,6 +28,7 @@ class MenuOption:
     nested: bool = False  # costs.py's [pieces nested inside a block]
     slices: int = 1  # ... the block run in this many slices of the batch (its nested_slices)
     pieces: bool = True  # ... and its pieces nested inside it (its nested_pieces)
+    recompute_extra_bytes: int = 0  # menu.py's [kept outputs wait for their op]: added to the backward peak
 
 
 @dataclass(frozen=True)

@@ -206,7 +206,7 @@ def _byte_gcd(chain: Chain) -> int:
                    block.recompute_peak_bytes, block.freed_side_input_bytes,
                    max(0, block.nested_recompute_peak_bytes), block.nested_held_bytes,
                    max(0, block.nested_forward_peak_bytes)]
-        values += [option.held_bytes for option in menu]
+        values += [option.held_bytes for option in menu] + [option.recompute_extra_bytes for option in menu]
     return math.gcd(*values) or 1
 
 

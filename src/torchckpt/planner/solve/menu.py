@@ -20,9 +20,18 @@ Menu rules:
 3. **[at most 16 options]** At most ``MENU_MAX_OPTIONS`` (16) options: beyond that the in-between points
    are thinned to 14 spanning ``0..saved_bytes`` evenly (for each of 14 evenly spaced byte targets, the
    point nearest it).
+4. **[kept outputs wait for their op]** A checkpoint option that keeps some outputs carries
+   ``recompute_extra_bytes``: in the backward pass the block is recomputed from its input, op by op, and each
+   kept output waits in the cache until the recompute reaches its op (checkpoint.py's [kept outputs are handed
+   over once]). At op ``t`` the recompute has alive about what the plain forward had (``OpCosts.alive_bytes``)
+   plus the kept outputs of the ops after ``t``; the option's extra is how far that peaks above the plain
+   forward's own largest ``alive_bytes``, which the keep-nothing recompute already costs (0 when the ops' alive
+   bytes were not measured).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from torchckpt.planner.costs import BlockCosts, OpCosts
 from torchckpt.planner.solve._types import MenuOption
@@ -70,6 +79,20 @@ def _checkpoint_options(block: BlockCosts, ops: list[OpCosts]) -> list[MenuOptio
     return options
 
 
+def _recompute_extra(ops: list[OpCosts], kept: tuple[int, ...]) -> int:
+    """[kept outputs wait for their op]: ``ops`` are all of the block's ops, by index."""
+    if not kept or any(op.alive_bytes < 0 for op in ops):
+        return 0
+    chosen = set(kept)
+    waiting = sum(op.output_bytes for op in ops if op.index in chosen)
+    most = alone = 0
+    for op in ops:
+        if op.index in chosen:
+            waiting -= op.output_bytes  # handed over: from here on it is part of what the plain forward had
+        most, alone = max(most, op.alive_bytes + waiting), max(alone, op.alive_bytes)
+    return most - alone
+
+
 def _span(options: list[MenuOption], saved_bytes: int, keep: int) -> list[MenuOption]:
     if len(options) <= keep:
         return options
@@ -110,4 +133,6 @@ def block_menu(block: BlockCosts) -> tuple[MenuOption, ...]:
         MenuOption(kept_ops=(), held_bytes=block.nested_held_bytes,  # pieces run once more, slices do not
                    recompute_s=(2 if block.nested_pieces else 1) * nothing.recompute_s, plain=False,
                    nested=True, slices=block.nested_slices, pieces=block.nested_pieces),)
+    every_op = sorted(block.ops, key=lambda op: op.index)
+    middle = [replace(o, recompute_extra_bytes=_recompute_extra(every_op, o.kept_ops)) for o in middle]
     return (plain, *reversed(middle), *nested, nothing)
