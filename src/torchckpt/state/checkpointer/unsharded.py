@@ -13,6 +13,7 @@ from typing import Any
 
 from torchckpt.state.checkpointer.branches import abandon_newer_steps
 from torchckpt.state.checkpointer.retention import RetentionPolicy, apply_retention
+from torchckpt.state.checkpointer.room import make_room
 from torchckpt.state.format.manifest import Manifest, encode_manifest
 from torchckpt.state.format.snapshot import FileChunks, encode_snapshot
 from torchckpt.state.live.capture import capture_item
@@ -37,9 +38,11 @@ def snapshot_unsharded(step: int, items: Mapping[str, Any], metrics: Mapping[str
 
 
 def write_unsharded(storage: Storage, step: int, files: Mapping[str, FileChunks], metrics: Mapping[str, float],
-                    algorithm: str, retention: RetentionPolicy) -> None:
+                    algorithm: str, retention: RetentionPolicy, remove_old_when_full: bool = False) -> None:
     """Write ``files`` as ``step``, each hashed on the way; set newer steps aside (branches.py's [set aside
     before the commit]), commit, then apply ``retention`` (checkpointer.py's [retention runs after a commit]).
+    A step that cannot fit on the disk is refused before it is written (room.py; ``remove_old_when_full``:
+    room.py's [making room removes only what retention would]).
 
     Example:
         >>> import tempfile
@@ -50,6 +53,7 @@ def write_unsharded(storage: Storage, step: int, files: Mapping[str, FileChunks]
         {3: 'step-000000003'}
         >>> tmp.cleanup()
     """
+    make_room(storage, step, files, retention, remove_old_when_full)
     writer = storage.begin_step(step)
     try:
         entries = write_files_hashed(writer, files, algorithm)
