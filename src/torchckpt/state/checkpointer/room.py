@@ -31,7 +31,7 @@ from torchckpt.state.read.catalog import inspect_step
 from torchckpt.state.storage.base import Storage
 from torchckpt.state.storage.local import LocalStorage
 
-_MANIFEST_ROOM_BYTES = 64 << 10  # the manifest (a few hundred bytes per file) and the step's directory entries
+_MANIFEST_ROOM_BYTES = 4096  # the manifest's fixed part; plus 256 bytes per file and a block for the directory
 
 
 def _round_up(size: int, block: int) -> int:
@@ -60,11 +60,11 @@ def step_bytes_needed(files: Mapping[str, FileChunks], block: int = 4096) -> int
     """Bytes of disk a step of ``files`` takes: each file rounded up to ``block``, plus the manifest's room.
 
     Example:
-        >>> step_bytes_needed({"state.json": [b"{}"], "model.safetensors": [b"x" * 5000]}) - (64 << 10)
-        12288
+        >>> step_bytes_needed({"state.json": [b"{}"], "model.safetensors": [b"x" * 5000]})
+        24576
     """
-    return _MANIFEST_ROOM_BYTES + sum(
-        _round_up(sum(memoryview(chunk).nbytes for chunk in chunks), block) for chunks in files.values())
+    manifest = _round_up(_MANIFEST_ROOM_BYTES + 256 * len(files), block) + block
+    return manifest + sum(_round_up(sum(memoryview(chunk).nbytes for chunk in chunks), block) for chunks in files.values())
 
 
 def make_room(storage: Storage, step: int, files: Mapping[str, FileChunks], policy: RetentionPolicy,

@@ -14,8 +14,9 @@ from typing import Any
 from torchckpt.state.checkpointer.branches import abandon_newer_steps
 from torchckpt.state.checkpointer.retention import RetentionPolicy, apply_retention
 from torchckpt.state.checkpointer.room import make_room
-from torchckpt.state.format.manifest import Manifest, encode_manifest
+from torchckpt.state.format.manifest import TAGGED_FORMAT_VERSION, Manifest, encode_manifest
 from torchckpt.state.format.snapshot import FileChunks, encode_snapshot
+from torchckpt.state.format.tensor_kinds import needs_format_3
 from torchckpt.state.live.capture import capture_item
 from torchckpt.state.live.staging import HostStaging, changed_only_by_optimizer_steps
 from torchckpt.state.storage.base import Storage
@@ -57,9 +58,8 @@ def write_unsharded(storage: Storage, step: int, files: Mapping[str, FileChunks]
     writer = storage.begin_step(step)
     try:
         entries = write_files_hashed(writer, files, algorithm)
-        manifest = Manifest(
-            step=step, created_unix_s=time.time(), hash_algorithm=algorithm, files=entries, metrics=metrics
-        )
+        manifest = Manifest(step=step, created_unix_s=time.time(), hash_algorithm=algorithm, files=entries,
+                            metrics=metrics, format_version=TAGGED_FORMAT_VERSION if needs_format_3(files) else None)
         abandon_newer_steps(storage, step)  # branches.py's [set aside before the commit]
         writer.commit(encode_manifest(manifest))
     except BaseException:

@@ -138,7 +138,7 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
         _corrupt(path, "JSON nested too deeply to hash: corrupt (a manifest is nested 3 levels deep)")
     if claimed != actual:
         _corrupt(path, f"manifest_hash is {claimed!r} but its content hashes to {actual!r}")
-    version = body.get("format_version")
+    version: Any = body.get("format_version")
     if body.get("format") == FORMAT_NAME and _is_int(version) and version > NEWEST_FORMAT_VERSION:
         problem = (f"written by a newer torchckpt (format {version}); this torchckpt reads formats 1 to "
                    f"{NEWEST_FORMAT_VERSION}. Nothing was changed. Fix: upgrade torchckpt (pip install -U torchckpt)")

@@ -145,11 +145,31 @@ def check_item(name: str, obj: object, kind: str, state: Any, source: str) -> bo
     _check_kind(name, obj, kind, source)
     if kind == "dict":
         return True
+    _refuse_meta(name, obj, source)
     if isinstance(obj, torch.nn.Module):
         return _check_module(name, obj, state, source)
     if isinstance(obj, torch.optim.Optimizer):
         return _check_optimizer(name, obj, state, source)
     return False
+
+
+def _refuse_meta(name: str, obj: object, source: str) -> None:
+    """A module or optimizer with tensors on the meta device: loading would copy into nothing and succeed."""
+    if isinstance(obj, torch.nn.Module):
+        tensors = [*obj.named_parameters(), *obj.named_buffers()]
+    elif isinstance(obj, torch.optim.Optimizer):
+        tensors = [(f"param_groups[{g}].params[{i}]", p) for g, group in enumerate(obj.param_groups)
+                   for i, p in enumerate(group["params"])]
+    else:
+        return
+    meta = [key for key, tensor in tensors if tensor.device.type == "meta"]
+    if meta:
+        raise CheckpointMismatchError(
+            f"{source}: item {name!r} ({type(obj).__qualname__}) has tensors on the meta device ({meta[:5]}"
+            f"{' ...' if len(meta) > 5 else ''}), which hold no memory: loading would change nothing. Nothing was "
+            "restored. Fix: materialise the model first, model.to_empty(device='cpu') (or your device), then "
+            "restore (every saved tensor is filled; buffers not in the state_dict stay uninitialised until you set "
+            "them), and build the optimizer on the materialised parameters.")
 
 
 def _check_kind(name: str, obj: object, kind: str, source: str) -> None:

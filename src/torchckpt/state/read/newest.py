@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+import torch
+
 from torchckpt.state.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -52,6 +54,7 @@ def candidate_steps(storage: Storage, step: int | None) -> list[int]:
 _RESCANS = 5
 
 
+@torch.inference_mode(False)  # restored tensors are normal ones, usable in a later backward()
 def read_newest_valid(
     storage: Storage,
     *,

@@ -226,6 +226,7 @@ def refuse_newer_step(storage: Storage, step: int) -> None:
         pass
 
 
+@torch.inference_mode(False)  # restored tensors are normal ones, usable in a later backward()
 def restore_newest_sharded(storage: Storage, ranks: RankGroup | None, step: int | None, fallback: bool,
                            items: dict[str, Any], rng: bool | None, verify: str) -> int | None:
     """Restore the newest step (or ``step``) that every rank reads and verifies ([restore loads into copies]);
