@@ -64,7 +64,8 @@ def step_bytes_needed(files: Mapping[str, FileChunks], block: int = 4096) -> int
         24576
     """
     manifest = _round_up(_MANIFEST_ROOM_BYTES + 256 * len(files), block) + block
-    return manifest + sum(_round_up(sum(memoryview(chunk).nbytes for chunk in chunks), block) for chunks in files.values())
+    sizes = (sum(memoryview(chunk).nbytes for chunk in chunks) for chunks in files.values())
+    return manifest + sum(_round_up(size, block) for size in sizes)
 
 
 def make_room(storage: Storage, step: int, files: Mapping[str, FileChunks], policy: RetentionPolicy,
@@ -102,19 +103,22 @@ def make_room(storage: Storage, step: int, files: Mapping[str, FileChunks], poli
     _refuse(storage, step, needed, free, freed, remove_old)
 
 
+def _size(count: int) -> str:
+    return f"{count / (1 << 20):.1f} MiB" if count >= 1 << 20 else f"{count} bytes"
+
+
 def _refuse(storage: Storage, step: int, needed: int, free: int, freed: Mapping[int, int], remove_old: bool) -> None:
-    mib = 1 << 20
     if remove_old:
-        tried = (f"remove_old_steps_when_full=True could free only {sum(freed.values()) / mib:.1f} MiB (steps "
+        tried = (f"remove_old_steps_when_full=True could free only {_size(sum(freed.values()))} (steps "
                  f"{sorted(freed)}, those retention removes once step {step} commits); it removed nothing")
     elif freed:
         tried = (f"Checkpointer(..., remove_old_steps_when_full=True) removes steps {sorted(freed)} (which retention "
-                 f"removes anyway once step {step} commits; {sum(freed.values()) / mib:.1f} MiB) before writing, "
+                 f"removes anyway once step {step} commits; {_size(sum(freed.values()))}) before writing, "
                  "if that makes room; until the commit a crash leaves only the steps the policy keeps")
     else:
         tried = ("let retention remove older steps (keep_last=1 with remove_old_steps_when_full=True removes the "
                  "previous step first; no step here is one the current policy removes)")
     raise CheckpointWriteError(
-        f"no space left on device for step {step} in {storage.location}: it needs {needed / mib:.1f} MiB and "
-        f"{free / mib:.1f} MiB are free; nothing was written or removed, earlier checkpoints are untouched. Fix: "
+        f"no space left on device for step {step} in {storage.location}: it needs {_size(needed)} and "
+        f"{_size(free)} are free; nothing was written or removed, earlier checkpoints are untouched. Fix: "
         f"point the Checkpointer at a directory on a disk with room, or free space on this one; or {tried}.")
