@@ -261,7 +261,8 @@ def _write_part(writer: StepWriter, ranks: RankGroup | None, prefix: str, snap: 
     entries.update(write_files_hashed(writer, snap.local_files, algorithm))
     vote = {"files": {n: [e.size_bytes, e.hash] for n, e in entries.items()},
             "trees": hash_bytes(encode_json(snap.trees), "sha256"), "local": snap.local_digests,
-            "format_3": needs_format_3(snap.local_files)}  # tensor_kinds.py's [sparse tensors are stored as parts]
+            "format_3": needs_format_3(snap.local_files)}  # format 3: tensor_kinds.py's [sparse tensors are stored as
+    # their parts]
     if ranks is not None:
         ranks.publish(f"{prefix}/files/{rank}", vote)
     return vote
