@@ -75,7 +75,6 @@ from torchckpt.state.sharded.rank_group import RankGroup
 from torchckpt.state.sharded.restore import restore_newest_sharded
 from torchckpt.state.sharded.save import snapshot_sharded, start_together, write_sharded
 from torchckpt.state.storage.backends import open_storage, resolved_location
-from torchckpt.state.storage.base import Storage
 
 
 class Checkpointer:
@@ -105,7 +104,7 @@ class Checkpointer:
         if self._sharded and self.config.async_staging:
             raise ValueError("async_staging=True is not supported for sharded checkpoints (with a process group, "
                              "or sharded=True); async_save=True alone copies this rank's shard before save() returns")
-        self._storage: Storage = open_storage(resolved_location(directory))  # resolved once: os.chdir moves nothing
+        self._given, self._storage = os.fspath(directory), open_storage(resolved_location(directory))  # chdir-proof
         self._executor: ThreadPoolExecutor | None = None
         self._staging = HostStaging()  # used by async saves only ([async saves copy before returning])
         self._inflight: Future[None] | None = None
@@ -139,8 +138,8 @@ class Checkpointer:
 
     @property
     def directory(self) -> str:
-        """The checkpoint directory (an absolute path, resolved when built, or a URL)."""
-        return self._storage.location
+        """The checkpoint directory as given (path or URL); a relative path was resolved when this was built."""
+        return self._given
 
     @property
     def preemption_requested(self) -> bool:
