@@ -32,8 +32,8 @@ def _format_version(run_dir: str, step: int = 1) -> int:
 
 def _same_sparse(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same layout, size and parts, bit for bit (a COO tensor's coalesced flag too)."""
-    (layout_a, parts_a), (layout_b, parts_b) = sparse_parts(a), sparse_parts(b)
-    return (layout_a == layout_b and a.shape == b.shape and parts_a.keys() == parts_b.keys()
+    (fields_a, parts_a), (fields_b, parts_b) = sparse_parts(a), sparse_parts(b)
+    return (fields_a == fields_b and parts_a.keys() == parts_b.keys()
             and all(parts_a[k].dtype == parts_b[k].dtype and torch.equal(parts_a[k].view(torch.uint8),
                                                                         parts_b[k].view(torch.uint8)) for k in parts_a)
             and (a.layout != torch.sparse_coo or a.is_coalesced() == b.is_coalesced()))
@@ -44,7 +44,7 @@ def test_sparse_tensors_of_every_layout_round_trip_bitwise(run_dir):
     dense = torch.randn(4, 6) * (torch.rand(4, 6) > 0.6)
     uncoalesced = torch.sparse_coo_tensor(torch.tensor([[0, 0, 2], [1, 1, 3]]), torch.tensor([1.5, -2.0, 3.0]),
                                           (3, 4))  # a duplicate index, kept as held (not summed)
-    extras = {"coo": dense.to_sparse(), "raw": uncoalesced, "half": dense.half().to_sparse(),
+    extras = {"coo": dense.to_sparse().requires_grad_(), "raw": uncoalesced, "half": dense.half().to_sparse(),
               "nested": [{"csr": dense.to_sparse_csr()}, (dense.to_sparse_csc(),)],
               "bsr": dense.to_sparse_bsr((2, 2)), "bsc": dense.to_sparse_bsc((2, 3))}
     restored = _round_trip(run_dir, extras)
@@ -55,6 +55,7 @@ def test_sparse_tensors_of_every_layout_round_trip_bitwise(run_dir):
     for got, saved in pairs:
         assert _same_sparse(got, saved), (got, saved)
     assert not restored["raw"].is_coalesced() and restored["raw"]._values().tolist() == [1.5, -2.0, 3.0]
+    assert restored["coo"].requires_grad and not restored["half"].requires_grad
     assert _format_version(run_dir) == 3  # tags an older torchckpt does not know: it refuses the step as newer
 
 
@@ -154,9 +155,11 @@ def test_huge_python_ints_round_trip_exactly(run_dir):
     with pytest.raises(ValueError, match="integer string conversion"):
         json.dumps(huge)
     extras = {"huge": huge, "negative": -huge - 1, "edge": 1 << 1000, "below": (1 << 1000) - 1, "small": 12,
-              "nested": [(huge, {5: -(1 << 1000)})]}
+              "nested": [(huge, {5: -(1 << 1000)})], "keys": {huge: torch.ones(1), -huge: "x"}}
     restored = _round_trip(run_dir, extras)
-    assert restored == extras and type(restored["nested"][0]) is tuple
+    assert restored.keys() == extras.keys() and type(restored["nested"][0]) is tuple
+    assert torch.equal(restored["keys"][huge], torch.ones(1)) and restored["keys"][-huge] == "x"
+    assert {k: v for k, v in restored.items() if k != "keys"} == {k: v for k, v in extras.items() if k != "keys"}
     assert _format_version(run_dir) == 3
 
 

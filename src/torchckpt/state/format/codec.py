@@ -49,9 +49,7 @@ _SAFETENSORS_MAX_HEADER_BYTES = 100 << 20
 # them costs nothing, and some small uint8 tensors are structs in disguise (a torch.Generator's state)
 # that native code reads with aligned loads: as views at an odd offset they crashed set_state (SIGSEGV).
 _VIEW_MIN_BYTES = 1 << 20
-# Ints this large (302 digits) are stored as tagged hex: json.dumps/loads refuse ints over
-# sys.get_int_max_str_digits() decimal digits (4300 by default, 640 at the least).
-_JSON_INT_LIMIT = 1 << 1000
+_JSON_INT_LIMIT = 1 << 1000  # and beyond (302 digits): tagged hex; json refuses over 4300 digits (640 at the least)
 
 
 def split_tensors(tree: Any, item: str, *, sharded: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -129,10 +127,14 @@ def _encode_dict(value: dict, path: tuple[str, ...], item: str, tensors: dict[st
     if plain:
         return {k: _encode(v, path + (k,), item, tensors, sharded) for k, v in value.items()}
     pairs = [
-        [_encode(k, path, item, tensors, sharded), _encode(v, path + (str(k),), item, tensors, sharded)]
+        [_encode(k, path, item, tensors, sharded), _encode(v, path + (_key_text(k),), item, tensors, sharded)]
         for k, v in value.items()
     ]
     return {_TAG: "dict", "items": pairs}
+
+
+def _key_text(key: Any) -> str:  # str() of an int over 4300 digits raises
+    return hex(key) if type(key) is int and not -_JSON_INT_LIMIT < key < _JSON_INT_LIMIT else str(key)
 
 
 def _encode_tensor(
@@ -153,10 +155,9 @@ def _encode_tensor(
         tensors[key] = value.detach()
         return {_TAG: "tensor", "key": key}
     if is_sparse(value) and not sharded:  # tensor_kinds.py's [sparse tensors are stored as their parts]
-        layout, parts = sparse_parts(value)
+        fields, parts = sparse_parts(value)
         encoded = {name: _encode_tensor(part, path + (name,), item, tensors, sharded) for name, part in parts.items()}
-        return {_TAG: "sparse", "layout": layout, "size": list(value.shape), "parts": encoded,
-                "coalesced": value.layout == torch.sparse_coo and value.is_coalesced()}
+        return {_TAG: "sparse", **fields, "parts": encoded}
     _check_storable(value, path, item)
     host = value.detach().resolve_conj().resolve_neg().contiguous()
     key = _unique_key(_path_text(path), tensors)
@@ -228,7 +229,7 @@ def _decode_tagged(tag: str, value: dict, tensors: Mapping[str, torch.Tensor], s
         return int(value["hex"], 16)
     if tag == "sparse":
         parts = {name: _decode(part, tensors, source) for name, part in value["parts"].items()}
-        return sparse_from_parts(value["layout"], parts, value["size"], value["coalesced"] is True)
+        return sparse_from_parts(value, parts)
     if tag == "dict":
         return {_decode(k, tensors, source): _decode(v, tensors, source) for k, v in value["items"]}
     if tag == "tuple":

@@ -16,6 +16,7 @@ Rules kept here (named in ``docs/design.md``):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -53,41 +54,46 @@ def is_sparse(value: torch.Tensor) -> bool:
     return value.layout in _SPARSE_LAYOUTS
 
 
-def sparse_parts(value: torch.Tensor) -> tuple[str, dict[str, torch.Tensor]]:
-    """(layout name, parts) of a sparse tensor, the parts as it holds them.
+def sparse_parts(value: torch.Tensor) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(fields, parts) of a sparse tensor: its layout, size and flags, and its index and value tensors as it holds
+    them.
 
     Example:
-        >>> layout, parts = sparse_parts(torch.eye(2).to_sparse())
-        >>> layout, sorted(parts)
-        ('sparse_coo', ['indices', 'values'])
+        >>> fields, parts = sparse_parts(torch.eye(2).to_sparse())
+        >>> fields["layout"], fields["size"], sorted(parts)
+        ('sparse_coo', [2, 2], ['indices', 'values'])
     """
+    fields = {"layout": _SPARSE_LAYOUTS[value.layout], "size": list(value.shape), "requires_grad": value.requires_grad,
+              "coalesced": value.layout == torch.sparse_coo and value.is_coalesced()}
     value = value.detach()
     if value.layout == torch.sparse_coo:
-        return "sparse_coo", {"indices": value._indices(), "values": value._values()}
+        return fields, {"indices": value._indices(), "values": value._values()}
     if value.layout in _ROW_MAJOR:
         compressed, plain = value.crow_indices(), value.col_indices()
     else:
         compressed, plain = value.ccol_indices(), value.row_indices()
-    return _SPARSE_LAYOUTS[value.layout], {"compressed": compressed, "plain": plain, "values": value.values()}
+    return fields, {"compressed": compressed, "plain": plain, "values": value.values()}
 
 
-def sparse_from_parts(layout: str, parts: Mapping[str, torch.Tensor], size: list[int], coalesced: bool) -> torch.Tensor:
+def sparse_from_parts(fields: Mapping[str, Any], parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The sparse tensor :func:`sparse_parts` took apart (raises ValueError/KeyError for a malformed entry).
 
     Example:
-        >>> dense = torch.eye(2); layout, parts = sparse_parts(dense.to_sparse_csr())
-        >>> torch.equal(sparse_from_parts(layout, parts, [2, 2], False).to_dense(), dense)
+        >>> dense = torch.eye(2); fields, parts = sparse_parts(dense.to_sparse_csr())
+        >>> torch.equal(sparse_from_parts(fields, parts).to_dense(), dense)
         True
     """
-    kind = _LAYOUTS_BY_NAME[layout]
+    kind, size = _LAYOUTS_BY_NAME[fields["layout"]], fields["size"]
     try:  # the invariants are checked: a crafted file's out-of-range index is refused, never read out of bounds
         if kind == torch.sparse_coo:
-            return torch.sparse_coo_tensor(parts["indices"], parts["values"], size, is_coalesced=coalesced,
-                                           check_invariants=True)
-        return torch.sparse_compressed_tensor(parts["compressed"], parts["plain"], parts["values"], size,
-                                              layout=kind, check_invariants=True)
+            rebuilt = torch.sparse_coo_tensor(parts["indices"], parts["values"], size,
+                                              is_coalesced=fields["coalesced"] is True, check_invariants=True)
+        else:
+            rebuilt = torch.sparse_compressed_tensor(parts["compressed"], parts["plain"], parts["values"], size,
+                                                     layout=kind, check_invariants=True)
     except RuntimeError as error:
-        raise ValueError(f"not a valid {layout} tensor ({error})") from None
+        raise ValueError(f"not a valid {fields['layout']} tensor ({error})") from None
+    return rebuilt.requires_grad_() if fields.get("requires_grad") is True else rebuilt
 
 
 def unstorable_problem(value: torch.Tensor) -> str | None:
