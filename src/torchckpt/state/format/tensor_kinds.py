@@ -114,8 +114,9 @@ def unstorable_problem(value: torch.Tensor) -> str | None:
         return ("is a nested tensor, which safetensors cannot store. Fix: in state_dict() store list(tensor.unbind()) "
                 "and in load_state_dict() rebuild it with torch.nested.nested_tensor(parts, layout=tensor.layout)")
     if value.device.type == "meta":
-        return ("is on the meta device: it holds no data to save. Fix: materialise it first (module.to_empty("
-                "device='cpu') and initialise or load it), or leave it out of the state")
+        return ("is on the meta device: it holds no memory (a save has nothing to write, a restore into it would "
+                "change nothing). Fix: materialise it first (module.to_empty(device='cpu'), then initialise it or "
+                "restore into it), or leave it out of the state")
     if value.layout != torch.strided:
         return f"has layout {value.layout}, which torchckpt cannot store. Fix: store tensor.to_dense()"
     return None
