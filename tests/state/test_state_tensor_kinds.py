@@ -167,3 +167,9 @@ def test_ints_json_holds_keep_format_1(run_dir):
     restored = _round_trip(run_dir, {"n": (1 << 1000) - 1, "m": -(1 << 999)})
     assert restored == {"n": (1 << 1000) - 1, "m": -(1 << 999)}
     assert _format_version(run_dir) == 1
+
+
+def test_a_crafted_requires_grad_flag_on_an_integer_tensor_is_corrupt():
+    tree = {"__torchckpt__": "tensor", "key": "a", "parameter": True, "requires_grad": True}
+    with pytest.raises(CheckpointCorruptError, match="malformed 'tensor' entry.*can require gradients"):
+        join_tensors(tree, {"a": torch.ones(2, dtype=torch.int64)}, "extras.json")

@@ -213,7 +213,7 @@ def _decode(value: Any, tensors: Mapping[str, torch.Tensor], source: str) -> Any
         return {k: _decode(v, tensors, source) for k, v in value.items()}
     try:
         return _decode_tagged(tag, value, tensors, source)
-    except (KeyError, TypeError, ValueError, OverflowError) as error:
+    except (KeyError, TypeError, ValueError, OverflowError, RuntimeError) as error:  # RuntimeError: torch refused it
         raise CheckpointCorruptError(
             f"{source}: malformed {tag!r} entry ({error!r})", {source: f"malformed {tag!r} entry"}
         ) from None
