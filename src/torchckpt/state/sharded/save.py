@@ -259,10 +259,10 @@ def _write_part(writer: StepWriter, ranks: RankGroup | None, prefix: str, snap: 
         _vote_failed(ranks, prefix, error)
         raise _ReachedEveryRank(_lost_or_failed(ranks, prefix, snap.step, error)) from error
     entries.update(write_files_hashed(writer, snap.local_files, algorithm))
+    # "format_3": this rank's files need format 3 (tensor_kinds.py's [sparse tensors are stored as their parts])
     vote = {"files": {n: [e.size_bytes, e.hash] for n, e in entries.items()},
             "trees": hash_bytes(encode_json(snap.trees), "sha256"), "local": snap.local_digests,
-            "format_3": needs_format_3(snap.local_files)}  # format 3: tensor_kinds.py's [sparse tensors are stored as
-    # their parts]
+            "format_3": needs_format_3(snap.local_files)}
     if ranks is not None:
         ranks.publish(f"{prefix}/files/{rank}", vote)
     return vote
