@@ -26,6 +26,15 @@ class CheckpointCorruptError(CheckpointError):
         self.problems: dict[str, str] = dict(problems or {})
 
 
+class CheckpointNewerFormatError(CheckpointCorruptError):
+    """A step was written by a newer torchckpt, in a format version this one does not read.
+
+    It is not damage: ``ls`` and ``verify`` show the step as not valid (this version cannot check it), and
+    restore and every writer refuse instead of falling back to an older step or moving it aside
+    (docs/state.md, "Format versions"). Fix: upgrade torchckpt.
+    """
+
+
 class CheckpointLockedError(CheckpointError):
     """Another writer holds the directory's lock."""
 

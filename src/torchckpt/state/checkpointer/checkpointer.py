@@ -61,15 +61,20 @@ from torchckpt.state.live.staging import HostStaging
 from torchckpt.state.process.lifecycle import releaser, track
 from torchckpt.state.process.preempt_points import on_request_for
 from torchckpt.state.process.preemption import PreemptionHandler, parse_signals
-from torchckpt.state.read.catalog import CheckpointInfo, check_step_free, inspect_step, valid_committed
+from torchckpt.state.read.catalog import (
+    CheckpointInfo,
+    check_step_free,
+    inspect_step,
+    refuse_newer_format,
+    valid_committed,
+)
 from torchckpt.state.read.load import apply_snapshot
 from torchckpt.state.read.newest import newest_is_sharded, read_newest_valid
 from torchckpt.state.read.step import VerifyMode, check_verify_mode
 from torchckpt.state.sharded.rank_group import RankGroup
 from torchckpt.state.sharded.restore import restore_newest_sharded
 from torchckpt.state.sharded.save import snapshot_sharded, start_together, write_sharded
-from torchckpt.state.storage.backends import open_storage
-from torchckpt.state.storage.base import Storage
+from torchckpt.state.storage.backends import open_storage, resolved_location
 
 
 class Checkpointer:
@@ -99,12 +104,11 @@ class Checkpointer:
         if self._sharded and self.config.async_staging:
             raise ValueError("async_staging=True is not supported for sharded checkpoints (with a process group, "
                              "or sharded=True); async_save=True alone copies this rank's shard before save() returns")
-        self._storage: Storage = open_storage(directory)
+        self._given, self._storage = os.fspath(directory), open_storage(resolved_location(directory))  # chdir-proof
         self._executor: ThreadPoolExecutor | None = None
         self._staging = HostStaging()  # used by async saves only ([async saves copy before returning])
         self._inflight: Future[None] | None = None
-        # Set once background staging is done (live/staging.py's [optimizer steps wait for staging]).
-        self._staged: threading.Event | None = None
+        self._staged: threading.Event | None = None  # set once background staging is done (live/staging.py)
         self._step_guard: Any = None  # the optimizer-step pre-hook handle while staging may be pending
         self.optimizer_wait_s = 0.0  # time optimizer steps spent waiting for background staging
         self._last_step: int | None = None
@@ -117,15 +121,15 @@ class Checkpointer:
             self._last_save_monotonic_s = time.monotonic()
             self._finalizer = track(self, releaser(self._storage, None))
             return
+        refuse_newer_format(self._storage)  # before the lock and cleaning: a newer run's directory stays as it is
         leader = self._ranks is None or self._ranks.rank == 0
         if leader:
             self._storage.acquire_lock()  # [one writer per directory]; in a sharded run rank 0 holds it for all
         try:
             if leader:
                 self._storage.clean_leftovers()
-            signals = parse_signals(self.config.preemption_signals)
-            self._preemption = (PreemptionHandler(signals, on_request_for(self))
-                                if self.config.save_on_preemption else None)
+            signals, wanted = parse_signals(self.config.preemption_signals), self.config.save_on_preemption
+            self._preemption = PreemptionHandler(signals, on_request_for(self)) if wanted else None
         except BaseException:
             self._storage.release_lock()
             raise
@@ -134,8 +138,8 @@ class Checkpointer:
 
     @property
     def directory(self) -> str:
-        """The checkpoint directory (path or URL)."""
-        return self._storage.location
+        """The checkpoint directory as given (path or URL); a relative path was resolved when this was built."""
+        return self._given
 
     @property
     def preemption_requested(self) -> bool:
@@ -147,8 +151,6 @@ class Checkpointer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    # ----- saving -------------------------------------------------------------------------
 
     def save(self, step: int, *, metrics: Mapping[str, object] | None = None, **items: Any) -> None:
         """Save ``items`` (objects with state_dict, or plain dicts) and RNG streams as ``step``.
@@ -320,7 +322,8 @@ class Checkpointer:
             self._staged.wait()
 
     def _write(self, step: int, files: Mapping[str, FileChunks], metrics: Mapping[str, float]) -> None:
-        write_unsharded(self._storage, step, files, metrics, self.config.hash_algorithm, self.config.retention)
+        write_unsharded(self._storage, step, files, metrics, self.config.hash_algorithm, self.config.retention,
+                        self.config.remove_old_steps_when_full)
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:

@@ -40,6 +40,8 @@ class CheckpointerConfig:
     preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGINT")
     sharded: bool | None = None  # None: sharded when a process group is initialised (sharded/save.py)
     rank_timeout_s: float = 300.0  # how long a sharded save or restore waits for the other ranks
+    # A step that does not fit on the disk first removes the steps retention would remove after it (room.py)
+    remove_old_steps_when_full: bool = False
 
     def __post_init__(self) -> None:
         _ = self.retention  # validates keep_* options
@@ -57,6 +59,8 @@ class CheckpointerConfig:
             raise ValueError(f"hash_algorithm={self.hash_algorithm!r}: expected one of {sorted(HASH_ALGORITHMS)}")
         new_hasher(self.hash_algorithm)  # fails early if the hash library is missing
         parse_signals(self.preemption_signals)
+        if self.remove_old_steps_when_full not in (True, False):
+            raise ValueError(f"remove_old_steps_when_full={self.remove_old_steps_when_full!r}: expected True or False")
         if self.sharded not in (None, True, False):
             raise ValueError(f"sharded={self.sharded!r}: expected None (sharded when a process group is "
                              "initialised), True or False")

@@ -13,8 +13,10 @@ from typing import Any
 
 from torchckpt.state.checkpointer.branches import abandon_newer_steps
 from torchckpt.state.checkpointer.retention import RetentionPolicy, apply_retention
-from torchckpt.state.format.manifest import Manifest, encode_manifest
+from torchckpt.state.checkpointer.room import make_room
+from torchckpt.state.format.manifest import TAGGED_FORMAT_VERSION, Manifest, encode_manifest
 from torchckpt.state.format.snapshot import FileChunks, encode_snapshot
+from torchckpt.state.format.tensor_kinds import needs_format_3
 from torchckpt.state.live.capture import capture_item
 from torchckpt.state.live.staging import HostStaging, changed_only_by_optimizer_steps
 from torchckpt.state.storage.base import Storage
@@ -37,9 +39,11 @@ def snapshot_unsharded(step: int, items: Mapping[str, Any], metrics: Mapping[str
 
 
 def write_unsharded(storage: Storage, step: int, files: Mapping[str, FileChunks], metrics: Mapping[str, float],
-                    algorithm: str, retention: RetentionPolicy) -> None:
+                    algorithm: str, retention: RetentionPolicy, remove_old_when_full: bool = False) -> None:
     """Write ``files`` as ``step``, each hashed on the way; set newer steps aside (branches.py's [set aside
     before the commit]), commit, then apply ``retention`` (checkpointer.py's [retention runs after a commit]).
+    A step that cannot fit on the disk is refused before it is written (room.py; ``remove_old_when_full``:
+    room.py's [making room removes only what retention would]).
 
     Example:
         >>> import tempfile
@@ -50,12 +54,12 @@ def write_unsharded(storage: Storage, step: int, files: Mapping[str, FileChunks]
         {3: 'step-000000003'}
         >>> tmp.cleanup()
     """
+    make_room(storage, step, files, retention, remove_old_when_full)
     writer = storage.begin_step(step)
     try:
         entries = write_files_hashed(writer, files, algorithm)
-        manifest = Manifest(
-            step=step, created_unix_s=time.time(), hash_algorithm=algorithm, files=entries, metrics=metrics
-        )
+        manifest = Manifest(step=step, created_unix_s=time.time(), hash_algorithm=algorithm, files=entries,
+                            metrics=metrics, format_version=TAGGED_FORMAT_VERSION if needs_format_3(files) else None)
         abandon_newer_steps(storage, step)  # branches.py's [set aside before the commit]
         writer.commit(encode_manifest(manifest))
     except BaseException:

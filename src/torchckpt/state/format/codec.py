@@ -40,6 +40,7 @@ import torch
 from torchckpt._host import local_part
 from torchckpt.state.errors import CheckpointCorruptError, UnsafeFileError, UnsupportedStateError
 from torchckpt.state.format.manifest import json_problem
+from torchckpt.state.format.tensor_kinds import is_sparse, sparse_from_parts, sparse_parts, unstorable_problem
 
 _TAG = "__torchckpt__"
 _SCALARS = (bool, int, float, str, type(None))
@@ -48,6 +49,7 @@ _SAFETENSORS_MAX_HEADER_BYTES = 100 << 20
 # them costs nothing, and some small uint8 tensors are structs in disguise (a torch.Generator's state)
 # that native code reads with aligned loads: as views at an odd offset they crashed set_state (SIGSEGV).
 _VIEW_MIN_BYTES = 1 << 20
+_JSON_INT_LIMIT = 1 << 1000  # and beyond (302 digits): tagged hex; json refuses over 4300 digits (640 at the least)
 
 
 def split_tensors(tree: Any, item: str, *, sharded: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -94,6 +96,8 @@ def _encode(
     sharded: bool = False,
 ) -> Any:
     if type(value) in _SCALARS:
+        if type(value) is int and not -_JSON_INT_LIMIT < value < _JSON_INT_LIMIT:
+            return {_TAG: "int", "hex": hex(value)}  # json cannot write it (4300 digits); hex has no such limit
         return value
     if isinstance(value, torch.Tensor):
         return _encode_tensor(value, path, item, tensors, sharded)
@@ -123,15 +127,19 @@ def _encode_dict(value: dict, path: tuple[str, ...], item: str, tensors: dict[st
     if plain:
         return {k: _encode(v, path + (k,), item, tensors, sharded) for k, v in value.items()}
     pairs = [
-        [_encode(k, path, item, tensors, sharded), _encode(v, path + (str(k),), item, tensors, sharded)]
+        [_encode(k, path, item, tensors, sharded), _encode(v, path + (_key_text(k),), item, tensors, sharded)]
         for k, v in value.items()
     ]
     return {_TAG: "dict", "items": pairs}
 
 
+def _key_text(key: Any) -> str:  # str() of an int over 4300 digits raises
+    return hex(key) if type(key) is int and not -_JSON_INT_LIMIT < key < _JSON_INT_LIMIT else str(key)
+
+
 def _encode_tensor(
     value: torch.Tensor, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor], sharded: bool
-) -> dict[str, str]:
+) -> dict[str, Any]:
     local = local_part(value)
     if local is not value and not sharded:
         raise UnsupportedStateError(
@@ -146,19 +154,26 @@ def _encode_tensor(
         key = _unique_key(_path_text(path), tensors)
         tensors[key] = value.detach()
         return {_TAG: "tensor", "key": key}
+    if is_sparse(value) and not sharded:  # tensor_kinds.py's [sparse tensors are stored as their parts]
+        fields, parts = sparse_parts(value)
+        encoded = {name: _encode_tensor(part, path + (name,), item, tensors, sharded) for name, part in parts.items()}
+        return {_TAG: "sparse", **fields, "parts": encoded}
     _check_storable(value, path, item)
     host = value.detach().resolve_conj().resolve_neg().contiguous()
     key = _unique_key(_path_text(path), tensors)
     tensors[key] = host
-    return {_TAG: "tensor", "key": key}
+    tag: dict[str, Any] = {_TAG: "tensor", "key": key}
+    if type(value) is torch.nn.Parameter:  # kept with its flag; readers before these fields give a plain tensor
+        tag["parameter"] = True
+    if value.requires_grad:
+        tag["requires_grad"] = True
+    return tag
 
 
 def _check_storable(value: torch.Tensor, path: tuple[str, ...], item: str) -> None:
-    if value.layout != torch.strided or value.is_quantized or value.device.type == "meta":
-        raise UnsupportedStateError(
-            f"item {item!r}: tensor at {_path_text(path)} has layout {value.layout}, device "
-            f"{value.device}; expected a dense strided tensor. Fix: convert it (e.g. .to_dense())."
-        )
+    problem = unstorable_problem(value)  # tensor_kinds.py's [an unstorable tensor names its fix]
+    if problem is not None:
+        raise UnsupportedStateError(f"item {item!r}: tensor at {_path_text(path)} {problem}.")
     if value.dtype not in SAFETENSORS_DTYPES:
         raise UnsupportedStateError(
             f"item {item!r}: tensor at {_path_text(path)} has dtype {value.dtype}, which safetensors "
@@ -198,7 +213,7 @@ def _decode(value: Any, tensors: Mapping[str, torch.Tensor], source: str) -> Any
         return {k: _decode(v, tensors, source) for k, v in value.items()}
     try:
         return _decode_tagged(tag, value, tensors, source)
-    except (KeyError, TypeError, ValueError, OverflowError) as error:
+    except (KeyError, TypeError, ValueError, OverflowError, RuntimeError) as error:  # RuntimeError: torch refused it
         raise CheckpointCorruptError(
             f"{source}: malformed {tag!r} entry ({error!r})", {source: f"malformed {tag!r} entry"}
         ) from None
@@ -209,7 +224,12 @@ def _decode_tagged(tag: str, value: dict, tensors: Mapping[str, torch.Tensor], s
         if value["key"] not in tensors:
             problem = f"refers to tensor {value['key']!r}, which its .safetensors file lacks"
             raise CheckpointCorruptError(f"{source}: {problem}", {source: problem})
-        return tensors[value["key"]]
+        return _with_flags(tensors[value["key"]], value)
+    if tag == "int":
+        return int(value["hex"], 16)
+    if tag == "sparse":
+        parts = {name: _decode(part, tensors, source) for name, part in value["parts"].items()}
+        return sparse_from_parts(value, parts)
     if tag == "dict":
         return {_decode(k, tensors, source): _decode(v, tensors, source) for k, v in value["items"]}
     if tag == "tuple":
@@ -226,6 +246,13 @@ def _decode_tagged(tag: str, value: dict, tensors: Mapping[str, torch.Tensor], s
             raise ValueError(f"{value['name']!r} is not a torch dtype")
         return dtype
     raise ValueError(f"unknown tag {tag!r}")
+
+
+def _with_flags(tensor: torch.Tensor, tag: Mapping[str, Any]) -> torch.Tensor:
+    requires_grad = tag.get("requires_grad") is True
+    if tag.get("parameter") is True:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.detach().requires_grad_() if requires_grad else tensor
 
 
 def encode_json(tree: Any) -> bytes:

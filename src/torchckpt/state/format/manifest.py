@@ -28,12 +28,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from torchckpt.state.errors import CheckpointCorruptError
+from torchckpt.state.errors import CheckpointCorruptError, CheckpointNewerFormatError
 from torchckpt.state.format.hashing import hash_bytes
 
 FORMAT_NAME = "torchckpt.state"
 FORMAT_VERSION = 1
 SHARDED_FORMAT_VERSION = 2  # a sharded step (sharded/save.py): older readers refuse it by version, naming an upgrade
+# A step (sharded or not) whose JSON holds a value tag added in format 3 (codec.py's FORMAT_3_TAGS: a huge int, a
+# sparse tensor); a step without one keeps version 1 or 2, so that an older torchckpt still reads it.
+TAGGED_FORMAT_VERSION = 3
+NEWEST_FORMAT_VERSION = TAGGED_FORMAT_VERSION  # a step of a greater version is refused, never taken for corrupt
 
 
 def canonical_json(value: Any) -> bytes:
@@ -75,6 +79,7 @@ class Manifest:
     files: Mapping[str, FileEntry]
     metrics: Mapping[str, float] = field(default_factory=dict)
     world_size: int | None = None  # set for a sharded step: the number of ranks that wrote it
+    format_version: int | None = None  # None: the lowest that holds it (1 unsharded, 2 sharded)
 
     @property
     def size_bytes(self) -> int:
@@ -98,7 +103,8 @@ def encode_manifest(manifest: Manifest) -> bytes:
 def _manifest_body(manifest: Manifest) -> dict[str, Any]:
     body: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION if manifest.world_size is None else SHARDED_FORMAT_VERSION,
+        "format_version": max(manifest.format_version or 0,
+                              FORMAT_VERSION if manifest.world_size is None else SHARDED_FORMAT_VERSION),
         "step": manifest.step,
         "created_unix_s": manifest.created_unix_s,
         "hash_algorithm": manifest.hash_algorithm,
@@ -132,17 +138,20 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
         _corrupt(path, "JSON nested too deeply to hash: corrupt (a manifest is nested 3 levels deep)")
     if claimed != actual:
         _corrupt(path, f"manifest_hash is {claimed!r} but its content hashes to {actual!r}")
-    version = body.get("format_version")
-    if body.get("format") != FORMAT_NAME or not (_is_int(version) and version in (FORMAT_VERSION,
-                                                                                  SHARDED_FORMAT_VERSION)):
+    version: Any = body.get("format_version")
+    if body.get("format") == FORMAT_NAME and _is_int(version) and version > NEWEST_FORMAT_VERSION:
+        problem = (f"written by a newer torchckpt (format {version}); this torchckpt reads formats 1 to "
+                   f"{NEWEST_FORMAT_VERSION}. Nothing was changed. Fix: upgrade torchckpt (pip install -U torchckpt)")
+        raise CheckpointNewerFormatError(f"{path}: {problem}", {path: problem})
+    if body.get("format") != FORMAT_NAME or not (_is_int(version) and 1 <= version <= NEWEST_FORMAT_VERSION):
         _corrupt(
             path,
             f"format {body.get('format')!r} version {body.get('format_version')!r}; "
-            f"expected {FORMAT_NAME!r} version {FORMAT_VERSION} or {SHARDED_FORMAT_VERSION} (upgrade torchckpt?)",
+            f"expected {FORMAT_NAME!r} version 1 to {NEWEST_FORMAT_VERSION}",
         )
-    if (version == SHARDED_FORMAT_VERSION) != ("world_size" in body):
+    if version != TAGGED_FORMAT_VERSION and (version == SHARDED_FORMAT_VERSION) != ("world_size" in body):
         _corrupt(path, f"format version {version} {'needs' if version == 2 else 'has no'} field 'world_size'")
-    return _manifest_from_body(body, path)
+    return _manifest_from_body(body, path, version)
 
 
 def json_problem(error: ValueError) -> str:
@@ -179,7 +188,7 @@ def _load_manifest_json(data: bytes, path: str) -> dict[str, Any]:
 _MAX_SIZE_BYTES = 1 << 63  # no file is larger; a size beyond it would overflow float() in `torchckpt ls`
 
 
-def _manifest_from_body(body: dict[str, Any], path: str) -> Manifest:
+def _manifest_from_body(body: dict[str, Any], path: str, version: int) -> Manifest:
     """Every field checked for the exact type a save writes ([manifest fields have exact types])."""
     for key in ("step", "created_unix_s", "hash_algorithm", "files"):
         if key not in body:
@@ -215,6 +224,7 @@ def _manifest_from_body(body: dict[str, Any], path: str) -> Manifest:
     return Manifest(
         step=step,
         world_size=world_size,
+        format_version=version,
         created_unix_s=seconds,
         hash_algorithm=_field(path, "hash_algorithm", body["hash_algorithm"], str, "a str"),
         files=entries,

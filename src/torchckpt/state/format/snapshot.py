@@ -58,7 +58,8 @@ class Snapshot:
 
 def _is_flat(tree: Any) -> bool:
     return type(tree) is dict and all(
-        type(v) is dict and v.get("__torchckpt__") == "tensor" and v.get("key") == k for k, v in tree.items()
+        type(v) is dict and len(v) == 2 and v.get("__torchckpt__") == "tensor" and v.get("key") == k  # no flags
+        for k, v in tree.items()
     )
 
 

@@ -30,7 +30,11 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
    the RNG streams are set (the loader hands that same iterator to the next
    ``for`` loop); otherwise the resumed run would draw once more and every later
    dropout mask would differ.
-5. **[restore in place when nobody can tell]** A module is restored without
+5. **[a loader's own generator is captured]** A torchdata ``StatefulDataLoader`` built with
+   ``generator=g`` draws each epoch's shuffle and its iterator's seed from ``g``, whose state its own
+   ``state_dict`` leaves out: without it a resumed run's next epoch differs. Its state is saved in
+   the item (key ``torchckpt_loader_generator``) and set back after the resumed iterator is created.
+6. **[restore in place when nobody can tell]** A module is restored without
    copying when nothing could tell the difference: each parameter and buffer takes
    the restored tensor (a view of the buffer the file was read into) as its data,
    in place, so the same Parameter objects stay in the optimizer. Only when every
@@ -116,7 +120,21 @@ def capture_item(name: str, obj: object) -> tuple[str, Any]:
     """
     kind = item_kind(name, obj)
     state = cast(_Stateful, obj).state_dict() if kind == "state_dict" else dict(cast(dict, obj))
+    generator = _loader_generator(obj)
+    if generator is not None and isinstance(state, dict):  # [a loader's own generator is captured]
+        state = {**state, LOADER_GENERATOR_KEY: generator.get_state()}
     return kind, state
+
+
+LOADER_GENERATOR_KEY = "torchckpt_loader_generator"
+
+
+def _loader_generator(obj: object) -> torch.Generator | None:
+    """The ``generator=`` of a torchdata StatefulDataLoader, which its own state_dict leaves out."""
+    if not type(obj).__module__.startswith("torchdata.stateful_dataloader"):
+        return None
+    generator = getattr(obj, "generator", None)
+    return generator if isinstance(generator, torch.Generator) else None
 
 
 _REBUILD_FIX = "Fix: build the object exactly as in the run that saved it (same model, same parameter groups)."
@@ -145,11 +163,31 @@ def check_item(name: str, obj: object, kind: str, state: Any, source: str) -> bo
     _check_kind(name, obj, kind, source)
     if kind == "dict":
         return True
+    _refuse_meta(name, obj, source)
     if isinstance(obj, torch.nn.Module):
         return _check_module(name, obj, state, source)
     if isinstance(obj, torch.optim.Optimizer):
         return _check_optimizer(name, obj, state, source)
     return False
+
+
+def _refuse_meta(name: str, obj: object, source: str) -> None:
+    """A module or optimizer with tensors on the meta device: loading would copy into nothing and succeed."""
+    if isinstance(obj, torch.nn.Module):
+        tensors = [*obj.named_parameters(), *obj.named_buffers()]
+    elif isinstance(obj, torch.optim.Optimizer):
+        tensors = [(f"param_groups[{g}].params[{i}]", p) for g, group in enumerate(obj.param_groups)
+                   for i, p in enumerate(group["params"])]
+    else:
+        return
+    meta = [key for key, tensor in tensors if tensor.device.type == "meta"]
+    if meta:
+        raise CheckpointMismatchError(
+            f"{source}: item {name!r} ({type(obj).__qualname__}) has tensors on the meta device ({meta[:5]}"
+            f"{' ...' if len(meta) > 5 else ''}), which hold no memory: loading would change nothing. Nothing was "
+            "restored. Fix: materialise the model first, model.to_empty(device='cpu') (or your device), then "
+            "restore (every saved tensor is filled; buffers not in the state_dict stay uninitialised until you set "
+            "them), and build the optimizer on the materialised parameters.")
 
 
 def _check_kind(name: str, obj: object, kind: str, source: str) -> None:
@@ -247,11 +285,19 @@ def apply_item(name: str, obj: object, kind: str, state: Any, source: str) -> No
     # [restore in place when nobody can tell]
     if isinstance(obj, torch.nn.Module) and _load_module_without_copy(obj, state):
         return
+    generator_state = None
+    if isinstance(state, Mapping) and LOADER_GENERATOR_KEY in state:
+        generator_state = state[LOADER_GENERATOR_KEY]
+        state = {key: value for key, value in state.items() if key != LOADER_GENERATOR_KEY}
     try:
         cast(_Stateful, obj).load_state_dict(state)
     except (RuntimeError, ValueError, KeyError, TypeError) as error:
         raise _rejected(name, obj, source, str(error)) from error
     _prime_stateful_loader(obj)
+    generator = _loader_generator(obj)
+    if generator is not None and isinstance(generator_state, torch.Tensor):
+        # after priming, which drew the resumed iterator's seed from it once more ([RNG streams are restored last])
+        generator.set_state(generator_state.contiguous())
 
 
 def _load_module_without_copy(module: torch.nn.Module, state: Mapping[str, Any]) -> bool:

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 
 from torchckpt.state.errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointExistsError,
     CheckpointFallbackWarning,
+    CheckpointNewerFormatError,
     CheckpointNotFoundError,
 )
 from torchckpt.state.format.layout import step_dir_name
@@ -167,3 +169,27 @@ def check_step_free(storage: Storage, step: int, verify: VerifyMode) -> None:
             f"{info.path} already holds a valid checkpoint of step {step}; committed steps are "
             "never overwritten. Fix: save under a new step number, or delete that directory."
         )
+
+
+def refuse_newer_format(storage: Storage) -> None:
+    """Raise :class:`CheckpointNewerFormatError` if a step here was written by a newer torchckpt: a writer of
+    this version would rewind past it (or abandon it, move it aside); it reads only the manifests and changes
+    nothing (docs/state.md, "Format versions").
+
+    Example:
+        >>> refuse_newer_format(open_storage("/nonexistent"))
+    """
+    try:
+        steps = sorted(storage.step_entries(), reverse=True)
+    except OSError:
+        return  # not a directory, unreadable: taking the lock names the problem
+    for step in steps:
+        try:
+            read_manifest(storage, step)
+        except CheckpointNewerFormatError as error:
+            raise CheckpointNewerFormatError(
+                f"{storage.location}: step {step} was {error.problems and next(iter(error.problems.values()))}; "
+                "this torchckpt writes nowhere in a directory that holds it (it would rewind the run past it)",
+                error.problems) from None
+        except CheckpointError:
+            continue  # corrupt, gone: judged where it is read

@@ -28,6 +28,7 @@ from torchckpt.state.read.step import check_verify_mode
 from torchckpt.state.storage.backends import open_storage
 
 
+@torch.inference_mode(False)  # under inference_mode, loaded or copied tensors would break a later backward()
 def apply_snapshot(snapshot: Snapshot, items: Mapping[str, Any], rng: bool | None, state_path: str) -> None:
     """Load a decoded step into live objects and the RNG streams; every check runs before anything changes.
 

@@ -8,7 +8,8 @@ Rules kept here (named in ``docs/design.md``):
    warning naming each file and problem) and skipped when ``fallback`` is on; with
    it off, the newest step's problem is raised. If steps exist but none is valid,
    that is an error, never "no checkpoint": starting from scratch silently would
-   lose the run.
+   lose the run. A step written by a newer torchckpt is not corrupt: restore raises
+   :class:`CheckpointNewerFormatError` there and never falls back past it.
 2. **[a vanished step is gone, not corrupt]** A step whose directory disappears
    while it is read (a live writer's retention deleted it) is skipped silently and
    the next newest is read: readers take no lock and never see a half-written step
@@ -19,9 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+import torch
+
 from torchckpt.state.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointNewerFormatError,
     CheckpointNotFoundError,
     warn_fallback,
 )
@@ -50,6 +54,7 @@ def candidate_steps(storage: Storage, step: int | None) -> list[int]:
 _RESCANS = 5
 
 
+@torch.inference_mode(False)  # restored tensors are normal ones, usable in a later backward()
 def read_newest_valid(
     storage: Storage,
     *,
@@ -82,6 +87,9 @@ def read_newest_valid(
                     raise CheckpointNotFoundError(str(error)) from None
                 gone = True
                 continue
+            except CheckpointNewerFormatError as error:  # not damage: falling back would rewind the run
+                raise CheckpointNewerFormatError(f"step {candidate} was not restored and nothing was changed: "
+                                                 f"{error}", error.problems) from None
             except CheckpointCorruptError as error:
                 skipped.append(f"step {candidate}: {error}")
                 if fallback and step is None:

@@ -18,7 +18,13 @@ from typing import Any
 
 import torch
 
-from torchckpt.state.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, warn_fallback
+from torchckpt.state.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNewerFormatError,
+    warn_fallback,
+)
 from torchckpt.state.format.codec import join_tensors, split_tensors
 from torchckpt.state.format.layout import STATE_NAME, step_dir_name
 from torchckpt.state.live.capture import item_kind
@@ -204,6 +210,23 @@ def apply_restore(prepared: PreparedRestore, items: Mapping[str, Any]) -> None:
                     "run that saved it.") from error
 
 
+def refuse_newer_step(storage: Storage, step: int) -> None:
+    """Raise :class:`CheckpointNewerFormatError` if ``step`` was written by a newer torchckpt (inspect_step would
+    report it as merely invalid, and restore would fall back past it); any other problem is left to inspect_step.
+
+    Example:
+        >>> from torchckpt.state.storage.backends import open_storage
+        >>> refuse_newer_step(open_storage("/nonexistent"), 3)
+    """
+    try:
+        read_manifest(storage, step)
+    except CheckpointNewerFormatError:
+        raise
+    except CheckpointError:
+        pass
+
+
+@torch.inference_mode(False)  # restored tensors are normal ones, usable in a later backward()
 def restore_newest_sharded(storage: Storage, ranks: RankGroup | None, step: int | None, fallback: bool,
                            items: dict[str, Any], rng: bool | None, verify: str) -> int | None:
     """Restore the newest step (or ``step``) that every rank reads and verifies ([restore loads into copies]);
@@ -220,6 +243,7 @@ def restore_newest_sharded(storage: Storage, ranks: RankGroup | None, step: int 
         code, prepared = 0, None
         problem: BaseException | None = None
         try:
+            refuse_newer_step(storage, candidate)
             info = inspect_step(storage, candidate, "fast")
             if not info.valid:
                 raise CheckpointCorruptError(info.problem or "invalid", dict(info.problems))
@@ -234,6 +258,8 @@ def restore_newest_sharded(storage: Storage, ranks: RankGroup | None, step: int 
                 prepared = None
             else:
                 prepared = prepare_restore(open_sharded(storage, manifest), ranks, items, rng)
+        except CheckpointNewerFormatError as error:  # not damage: falling back would rewind the run
+            code, problem = 2, error
         except CheckpointCorruptError as error:
             code, problem = 1, error
         except BaseException as error:

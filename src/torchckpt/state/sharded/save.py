@@ -33,8 +33,9 @@ from torchckpt.state.errors import CheckpointError, CheckpointWriteError
 from torchckpt.state.format.codec import encode_json, split_tensors
 from torchckpt.state.format.hashing import hash_bytes
 from torchckpt.state.format.layout import STATE_NAME
-from torchckpt.state.format.manifest import FileEntry, Manifest, encode_manifest
+from torchckpt.state.format.manifest import TAGGED_FORMAT_VERSION, FileEntry, Manifest, encode_manifest
 from torchckpt.state.format.snapshot import encode_snapshot
+from torchckpt.state.format.tensor_kinds import needs_format_3
 from torchckpt.state.live.capture import capture_item, check_item_name
 from torchckpt.state.live.staging import HostStaging
 from torchckpt.state.sharded.items import is_data_position, is_sharded_item, live_state, pair_optimizers
@@ -258,8 +259,10 @@ def _write_part(writer: StepWriter, ranks: RankGroup | None, prefix: str, snap: 
         _vote_failed(ranks, prefix, error)
         raise _ReachedEveryRank(_lost_or_failed(ranks, prefix, snap.step, error)) from error
     entries.update(write_files_hashed(writer, snap.local_files, algorithm))
+    # "format_3": this rank's files need format 3 (tensor_kinds.py's [sparse tensors are stored as their parts])
     vote = {"files": {n: [e.size_bytes, e.hash] for n, e in entries.items()},
-            "trees": hash_bytes(encode_json(snap.trees), "sha256"), "local": snap.local_digests}
+            "trees": hash_bytes(encode_json(snap.trees), "sha256"), "local": snap.local_digests,
+            "format_3": needs_format_3(snap.local_files)}
     if ranks is not None:
         ranks.publish(f"{prefix}/files/{rank}", vote)
     return vote
@@ -331,8 +334,11 @@ def _commit(writer: StepWriter, snap: ShardedSnapshot, votes: Mapping[int, Mappi
                                for name, tree in snap.trees.items()},
              "local_items": {name: {"same_on_every_rank": same[name], "data_position": name in snap.data_position}
                              for name in snap.local_digests}}
-    files[STATE_NAME] = write_hashed_bytes(writer, STATE_NAME, encode_json(state), algorithm)
+    state_json = encode_json(state)
+    files[STATE_NAME] = write_hashed_bytes(writer, STATE_NAME, state_json, algorithm)
+    tagged = needs_format_3({STATE_NAME: [state_json]}) or any(vote.get("format_3") for vote in votes.values())
+    version = TAGGED_FORMAT_VERSION if tagged else None
     manifest = Manifest(step=snap.step, created_unix_s=time.time(), hash_algorithm=algorithm, files=files,
-                        metrics=snap.metrics, world_size=world)
+                        metrics=snap.metrics, world_size=world, format_version=version)
     before_commit()
     writer.commit(encode_manifest(manifest))

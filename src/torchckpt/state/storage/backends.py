@@ -21,3 +21,16 @@ def open_storage(location: str | os.PathLike[str]) -> Storage:
         return FsspecStorage(text)
     return LocalStorage(text.removeprefix("file://"))
 
+
+
+def resolved_location(location: str | os.PathLike[str]) -> str:
+    """``location`` with a local path made absolute (resolved against today's working directory); a URL as is.
+
+    Example:
+        >>> os.path.isabs(resolved_location("runs/exp1")), resolved_location("memory://runs")
+        (True, 'memory://runs')
+    """
+    text = os.fspath(location)
+    if "://" in text and not text.startswith("file://"):
+        return text
+    return os.path.abspath(text.removeprefix("file://"))
