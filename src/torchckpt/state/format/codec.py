@@ -17,15 +17,18 @@ Rules kept here (named in ``docs/design.md``):
    tree joined by ``.``, so a model's flat state_dict is stored under its own keys
    (``torchckpt export`` relies on this).
 4. **[zero copy both ways]** A safetensors file is written as chunks: its header,
-   then each host tensor's own memory (:func:`safetensors_chunks`); nothing is joined. Decoding makes each tensor of
-   1 MiB or more a view of the buffer the file was read (and hashed) into; smaller
-   tensors, and any whose offset does not suit its dtype's alignment (files
-   written by other tools), are copied into their own memory.
+   then each host tensor's own memory (:func:`safetensors_chunks`); only tensors under 64 KiB are
+   joined (copied) into shared chunks, so many small tensors cost one write and one hash task per
+   16 MiB, not one each. A restore reads each tensor into its own memory (read/tensor_file.py); decoding
+   a buffer holding a whole file (other back ends, other readers) makes each tensor of 1 MiB or more a
+   view of it; smaller tensors, and any whose offset does not suit its dtype's alignment (files written
+   by other tools), are copied into their own memory.
 """
 
 from __future__ import annotations
 
 import base64
+import ctypes
 import json
 import math
 import sys
@@ -43,19 +46,26 @@ from torchckpt.state.format.manifest import json_problem
 
 _TAG = "__torchckpt__"
 _SCALARS = (bool, int, float, str, type(None))
-_SAFETENSORS_MAX_HEADER_BYTES = 100 << 20
+SAFETENSORS_MAX_HEADER_BYTES = 100 << 20
 # Decoded tensors at least this large are views of the read buffer; smaller ones are copied. Copying
 # them costs nothing, and some small uint8 tensors are structs in disguise (a torch.Generator's state)
 # that native code reads with aligned loads: as views at an odd offset they crashed set_state (SIGSEGV).
 _VIEW_MIN_BYTES = 1 << 20
+# A save joins the bytes of tensors smaller than this into chunks of about _JOINED_CHUNK_BYTES (one write
+# and one hash task each, not one per tensor: 100k tiny tensors); larger ones are written from their memory.
+_JOIN_BELOW_BYTES = 64 << 10
+_JOINED_CHUNK_BYTES = 16 << 20
 
 
-def split_tensors(tree: Any, item: str, *, sharded: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+def split_tensors(
+    tree: Any, item: str, *, sharded: bool = False, keep_layout: bool = False
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """Separate tensors from a nested state into (JSON-able tree, flat tensor dict).
 
-    Tensors are detached and made contiguous but stay on their device (views of
-    CPU tensors; the snapshot moves them to host memory). Tied tensors are
-    stored once per key. A DTensor is refused unless ``sharded`` (sharded/save.py hands it to DCP as it is).
+    Tensors are detached and made contiguous (with ``keep_layout``: left as the views they are, for
+    format/storages.py to write each storage once) but stay on their device (views of CPU tensors; the
+    snapshot moves them to host memory). Every key gets its own entry, tied ones too. A DTensor is refused
+    unless ``sharded`` (sharded/save.py hands it to DCP as it is).
 
     Example:
         >>> tree, tensors = split_tensors({"w": torch.ones(2), "lr": 0.1, 3: (1, 2)}, "opt")
@@ -63,7 +73,7 @@ def split_tensors(tree: Any, item: str, *, sharded: bool = False) -> tuple[Any, 
         (['w'], 'dict')
     """
     tensors: dict[str, torch.Tensor] = {}
-    encoded = _encode(tree, (), item, tensors, sharded)
+    encoded = _encode(tree, (), item, tensors, sharded, keep_layout)
     return encoded, tensors
 
 
@@ -92,18 +102,19 @@ def _encode(
     item: str,
     tensors: dict[str, torch.Tensor],
     sharded: bool = False,
+    keep_layout: bool = False,
 ) -> Any:
     if type(value) in _SCALARS:
         return value
     if isinstance(value, torch.Tensor):
-        return _encode_tensor(value, path, item, tensors, sharded)
+        return _encode_tensor(value, path, item, tensors, sharded, keep_layout)
     if type(value) in (dict, OrderedDict):  # state_dict() returns an OrderedDict
-        return _encode_dict(value, path, item, tensors, sharded)
+        return _encode_dict(value, path, item, tensors, sharded, keep_layout)
     if type(value) is list:
-        return [_encode(v, path + (str(i),), item, tensors, sharded) for i, v in enumerate(value)]
+        return [_encode(v, path + (str(i),), item, tensors, sharded, keep_layout) for i, v in enumerate(value)]
     if type(value) in (tuple, torch.Size):
         kind = "tuple" if type(value) is tuple else "size"
-        items = [_encode(v, path + (str(i),), item, tensors, sharded) for i, v in enumerate(value)]
+        items = [_encode(v, path + (str(i),), item, tensors, sharded, keep_layout) for i, v in enumerate(value)]
         return {_TAG: kind, "items": items}
     if isinstance(value, (np.ndarray, np.generic)):
         return _encode_numpy(value, path, item)
@@ -118,20 +129,27 @@ def _encode(
 
 
 def _encode_dict(value: dict, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor],
-                 sharded: bool) -> Any:
+                 sharded: bool, keep_layout: bool) -> Any:
     plain = all(type(k) is str for k in value) and _TAG not in value
     if plain:
-        return {k: _encode(v, path + (k,), item, tensors, sharded) for k, v in value.items()}
+        return {k: _encode(v, path + (k,), item, tensors, sharded, keep_layout) for k, v in value.items()}
     pairs = [
-        [_encode(k, path, item, tensors, sharded), _encode(v, path + (str(k),), item, tensors, sharded)]
+        [_encode(k, path, item, tensors, sharded, keep_layout),
+         _encode(v, path + (str(k),), item, tensors, sharded, keep_layout)]
         for k, v in value.items()
     ]
     return {_TAG: "dict", "items": pairs}
 
 
 def _encode_tensor(
-    value: torch.Tensor, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor], sharded: bool
+    value: torch.Tensor, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor], sharded: bool,
+    keep_layout: bool = False,
 ) -> dict[str, str]:
+    if type(value) is torch.Tensor and keep_layout:  # the common case, quickly (100k small tensors)
+        _check_storable(value, path, item)
+        key = _unique_key(_path_text(path), tensors)
+        tensors[key] = value.detach().resolve_conj().resolve_neg()
+        return {_TAG: "tensor", "key": key}
     local = local_part(value)
     if local is not value and not sharded:
         raise UnsupportedStateError(
@@ -147,7 +165,8 @@ def _encode_tensor(
         tensors[key] = value.detach()
         return {_TAG: "tensor", "key": key}
     _check_storable(value, path, item)
-    host = value.detach().resolve_conj().resolve_neg().contiguous()
+    host = value.detach().resolve_conj().resolve_neg()
+    host = host if keep_layout else host.contiguous()
     key = _unique_key(_path_text(path), tensors)
     tensors[key] = host
     return {_TAG: "tensor", "key": key}
@@ -210,6 +229,8 @@ def _decode_tagged(tag: str, value: dict, tensors: Mapping[str, torch.Tensor], s
             problem = f"refers to tensor {value['key']!r}, which its .safetensors file lacks"
             raise CheckpointCorruptError(f"{source}: {problem}", {source: problem})
         return tensors[value["key"]]
+    if tag == "view":
+        return _decode_view(value, tensors, source)
     if tag == "dict":
         return {_decode(k, tensors, source): _decode(v, tensors, source) for k, v in value["items"]}
     if tag == "tuple":
@@ -226,6 +247,74 @@ def _decode_tagged(tag: str, value: dict, tensors: Mapping[str, torch.Tensor], s
             raise ValueError(f"{value['name']!r} is not a torch dtype")
         return dtype
     raise ValueError(f"unknown tag {tag!r}")
+
+
+def view_node(key: str, tensor: torch.Tensor, byte_offset: int) -> dict[str, Any]:
+    """The tree entry of ``tensor`` stored as a view of entry ``key``'s bytes, from ``byte_offset`` on, with
+    ``tensor``'s dtype, shape and strides (format/storages.py's [a storage is written once]).
+
+    Example:
+        >>> base = torch.arange(6.0)
+        >>> node = view_node("base", base[2:].view(2, 2).t(), 8)
+        >>> join_tensors(node, {"base": base}, "m.json")
+        tensor([[2., 4.],
+                [3., 5.]])
+    """
+    return {_TAG: "view", "key": key, "dtype": SAFETENSORS_DTYPES[tensor.dtype], "offset": byte_offset,
+            "shape": list(tensor.shape), "stride": list(tensor.stride())}
+
+
+def tensor_node(key: str) -> dict[str, Any]:
+    """The tree entry of a tensor stored whole under ``key`` (what :func:`split_tensors` writes; a tie is a
+    second entry naming the same key).
+
+    Example:
+        >>> weight = torch.ones(2)
+        >>> tied = join_tensors({"a": tensor_node("w"), "b": tensor_node("w")}, {"w": weight}, "m.json")
+        >>> tied["a"] is tied["b"] is weight
+        True
+    """
+    return {_TAG: "tensor", "key": key}
+
+
+def replace_tensor_nodes(tree: Any, replacements: Mapping[str, dict[str, Any]]) -> Any:
+    """``tree`` with each tensor entry whose key ``replacements`` names replaced by its new entry.
+
+    Example:
+        >>> replace_tensor_nodes([tensor_node("a"), tensor_node("b")], {"b": tensor_node("a")})
+        [{'__torchckpt__': 'tensor', 'key': 'a'}, {'__torchckpt__': 'tensor', 'key': 'a'}]
+    """
+    if type(tree) is list:
+        return [replace_tensor_nodes(value, replacements) for value in tree]
+    if type(tree) is not dict:
+        return tree
+    if tree.get(_TAG) == "tensor":
+        return replacements.get(tree["key"], tree)
+    return {key: replace_tensor_nodes(value, replacements) for key, value in tree.items()}
+
+
+def _decode_view(value: dict, tensors: Mapping[str, torch.Tensor], source: str) -> torch.Tensor:
+    """A view entry (:func:`view_node`) as a tensor sharing its base entry's storage; every number checked."""
+    base = tensors.get(value["key"])
+    if base is None:
+        problem = f"refers to tensor {value['key']!r}, which its .safetensors file lacks"
+        raise CheckpointCorruptError(f"{source}: {problem}", {source: problem})
+    dtype = _DTYPES_BY_NAME[value["dtype"]]
+    offset, shape, stride = value["offset"], value["shape"], value["stride"]
+    numbers = [offset, *shape, *stride]
+    if not (type(shape) is list and type(stride) is list and len(shape) == len(stride)
+            and all(type(n) is int and n >= 0 for n in numbers)):
+        raise ValueError(f"offset {offset!r}, shape {shape!r}, stride {stride!r}: expected ints >= 0, one stride "
+                         "per dimension")
+    span = 0 if 0 in shape else (1 + sum((n - 1) * step for n, step in zip(shape, stride))) * dtype.itemsize
+    base_bytes = base.numel() * base.element_size()
+    if not base.is_contiguous() or offset + span > base_bytes:
+        raise ValueError(f"a view of {span} bytes at byte {offset} does not fit in its base of {base_bytes} bytes")
+    start = base.storage_offset() * base.element_size() + offset
+    if start % dtype.itemsize:  # only bytes read into one shared buffer (another reader) can be misaligned
+        raw = base.reshape(-1).view(torch.uint8)[offset : offset + span].clone()
+        return raw.view(dtype).as_strided(shape, stride)
+    return torch.empty(0, dtype=dtype).set_(base.untyped_storage(), start // dtype.itemsize, shape, stride)
 
 
 def encode_json(tree: Any) -> bytes:
@@ -265,12 +354,13 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 }
 
 
-def safetensors_chunks(tensors: Mapping[str, torch.Tensor]) -> list[bytes | memoryview]:
+def safetensors_chunks(tensors: Mapping[str, torch.Tensor], *, join_small: bool = True) -> list[bytes | memoryview]:
     """A safetensors file of CPU contiguous tensors as chunks to write in order ([zero copy both ways]).
 
     The first chunk is the 8-byte length plus the JSON header; every other chunk
-    is a view of one tensor's memory, so nothing is copied: the caller must not
-    change the tensors until the chunks are written.
+    is a view of one tensor's memory, or (``join_small``) the bytes of many small
+    tensors, copied now: the caller must not change the tensors until the chunks
+    are written, and must pass ``join_small=False`` if their bytes are filled later.
 
     Example:
         >>> chunks = safetensors_chunks({"w": torch.ones(2)})
@@ -281,15 +371,39 @@ def safetensors_chunks(tensors: Mapping[str, torch.Tensor]) -> list[bytes | memo
         return [safetensors.torch.save({key: t.contiguous() for key, t in tensors.items()})]
     order = sorted(tensors, key=lambda key: (-tensors[key].element_size(), key))  # keeps data aligned
     header, _ = _safetensors_header(tensors, order)
-    return [len(header).to_bytes(8, "little") + header] + [_tensor_memory(key, tensors[key]) for key in order]
+    chunks: list[bytes | memoryview] = [len(header).to_bytes(8, "little") + header]
+    small: list[bytes] = []  # small tensors' bytes, joined into one chunk: one write and one hash task for many
+    small_bytes = 0
+    for key in order:
+        tensor = tensors[key]
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes >= _JOIN_BELOW_BYTES or not join_small:
+            if small:
+                chunks.append(b"".join(small))
+                small, small_bytes = [], 0
+            chunks.append(_tensor_memory(key, tensor))
+        elif nbytes:
+            _check_host(key, tensor)
+            small.append(ctypes.string_at(tensor.data_ptr(), nbytes))
+            small_bytes += nbytes
+            if small_bytes >= _JOINED_CHUNK_BYTES:
+                chunks.append(b"".join(small))
+                small, small_bytes = [], 0
+    if small:
+        chunks.append(b"".join(small))
+    return chunks
 
 
-def _tensor_memory(key: str, tensor: torch.Tensor) -> memoryview:
+def _check_host(key: str, tensor: torch.Tensor) -> None:
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError(
             f"tensor {key!r} is on {tensor.device}, contiguous={tensor.is_contiguous()}; expected a "
             "contiguous CPU tensor. Fix: pass tensor.cpu().contiguous() (snapshot.py does)."
         )
+
+
+def _tensor_memory(key: str, tensor: torch.Tensor) -> memoryview:
+    _check_host(key, tensor)
     return tensor.detach().reshape(-1).view(torch.uint8).numpy().data  # ndarray.data: a memoryview of its bytes
 
 
@@ -336,7 +450,7 @@ def decode_safetensors(data: bytes | memoryview | torch.Tensor, path: str) -> di
     """
     view = data.numpy().data if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
     header_bytes = int.from_bytes(view[:8], "little") if len(view) >= 8 else -1
-    if not (0 < header_bytes <= min(len(view) - 8, _SAFETENSORS_MAX_HEADER_BYTES)) or view[8:9] != b"{":
+    if not (0 < header_bytes <= min(len(view) - 8, SAFETENSORS_MAX_HEADER_BYTES)) or view[8:9] != b"{":
         # Checked only here: a valid header length (e.g. 0x280) may start with pickle's magic.
         refuse_executable_formats(view, path)
         problem = f"not a safetensors file (header length field {header_bytes}, file {len(view)} bytes)"
@@ -352,6 +466,18 @@ def decode_safetensors(data: bytes | memoryview | torch.Tensor, path: str) -> di
     start = 8 + header_bytes
     return {key: _tensor_view(buffer, start + begin, start + end, dtype, shape)
             for key, dtype, shape, begin, end in entries}
+
+
+def safetensors_entries(header: bytes, data_bytes: int) -> list[tuple[str, torch.dtype, list[int], int, int]]:
+    """Entries (key, dtype, shape, begin, end) of a safetensors header (the JSON after the length field)
+    followed by ``data_bytes`` bytes of data, in the order of their data; raises ``ValueError`` (or a
+    ``TypeError``) unless every rule of the format holds, as the reference parser checks them.
+
+    Example:
+        >>> safetensors_entries(b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', 8)
+        [('w', torch.float32, [2], 0, 8)]
+    """
+    return _parse_safetensors_header(header, data_bytes)
 
 
 def _parse_safetensors_header(

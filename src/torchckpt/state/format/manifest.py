@@ -32,7 +32,8 @@ from torchckpt.state.errors import CheckpointCorruptError
 from torchckpt.state.format.hashing import hash_bytes
 
 FORMAT_NAME = "torchckpt.state"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 3  # 3: a storage is written once, views as entries (format/storages.py); 1 is still read
+OLDER_FORMAT_VERSIONS = (1,)  # unsharded steps of older torchckpt: read as they are
 SHARDED_FORMAT_VERSION = 2  # a sharded step (sharded/save.py): older readers refuse it by version, naming an upgrade
 
 
@@ -133,12 +134,13 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
     if claimed != actual:
         _corrupt(path, f"manifest_hash is {claimed!r} but its content hashes to {actual!r}")
     version = body.get("format_version")
-    if body.get("format") != FORMAT_NAME or not (_is_int(version) and version in (FORMAT_VERSION,
-                                                                                  SHARDED_FORMAT_VERSION)):
+    if body.get("format") != FORMAT_NAME or not (_is_int(version) and version in (
+            FORMAT_VERSION, SHARDED_FORMAT_VERSION, *OLDER_FORMAT_VERSIONS)):
         _corrupt(
             path,
             f"format {body.get('format')!r} version {body.get('format_version')!r}; "
-            f"expected {FORMAT_NAME!r} version {FORMAT_VERSION} or {SHARDED_FORMAT_VERSION} (upgrade torchckpt?)",
+            f"expected {FORMAT_NAME!r} version {FORMAT_VERSION}, {SHARDED_FORMAT_VERSION} or "
+            f"{OLDER_FORMAT_VERSIONS} (upgrade torchckpt?)",
         )
     if (version == SHARDED_FORMAT_VERSION) != ("world_size" in body):
         _corrupt(path, f"format version {version} {'needs' if version == 2 else 'has no'} field 'world_size'")
