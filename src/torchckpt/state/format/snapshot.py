@@ -67,7 +67,8 @@ def _is_flat(tree: Any) -> bool:
 def _encode_item(
     name: str, kind: str, state: Any, files: dict[str, FileChunks], tensor_groups: dict[str, dict[str, torch.Tensor]]
 ) -> dict[str, Any]:
-    tree, tensors = write_once(*split_tensors(state, name, keep_layout=True))  # storages.py's [a storage is written once]
+    # storages.py's [a storage is written once]
+    tree, tensors = write_once(*split_tensors(state, name, keep_layout=True))
     meta: dict[str, Any] = {"kind": kind, "tensor_file": None, "tree_file": None, "tree": None}
     module_metadata = getattr(state, "_metadata", None)  # nn.Module versions, read by load_state_dict
     if module_metadata is not None:

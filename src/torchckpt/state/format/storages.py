@@ -68,7 +68,7 @@ def _write_group(keys: list[str], tensors: Mapping[str, torch.Tensor], written: 
     distinct: dict[_Signature, str] = {}
     for key in keys:
         tensor = tensors[key]
-        signature = (tensor.dtype, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+        signature = (tensor.dtype, int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()))
         first = distinct.setdefault(signature, key)
         if first != key:
             replacements[key] = tensor_node(first)  # a tie: re-pointed below if its first becomes a view
@@ -103,8 +103,8 @@ def _write_group(keys: list[str], tensors: Mapping[str, torch.Tensor], written: 
 def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     """(first byte, one past the last byte) of ``tensor`` in its storage."""
     itemsize = tensor.element_size()
-    begin = tensor.storage_offset() * itemsize
-    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    begin = int(tensor.storage_offset()) * itemsize
+    last = sum((int(size) - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
     return begin, begin + (last + 1) * itemsize
 
 

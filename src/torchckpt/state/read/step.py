@@ -204,11 +204,11 @@ def _read_or_stream(
         on_pieces = None if hasher is None else (
             lambda pieces: hash_thread.submit(_update_all, hasher, pieces).result)  # one task per batch
         try:
-            tensors, size = read_tensors(root, name, expected.size_bytes, on_pieces)
+            tensors, read_bytes = read_tensors(root, name, expected.size_bytes, on_pieces)
         except (RuntimeError, MemoryError) as error:
             return None, _no_memory(expected, error)
         if tensors is not None:  # else its header is not valid: read it whole below, which names the problem
-            problem = _final_problem(size, expected, hasher, algorithm)
+            problem = _final_problem(read_bytes, expected, hasher, algorithm)
             return (None, problem) if problem is not None else (tensors, None)
     try:
         # torch.empty: no zero-fill (bytearray would write every page once more) and 64-byte aligned views
@@ -347,7 +347,7 @@ def load_step(storage: Storage, step: int, verify: str, wanted: Collection[str] 
 def _needed_files(state: FileData | None, manifest: Manifest, wanted: Collection[str] | None,
                   source: str) -> set[str]:
     """The files the ``wanted`` items live in (load.py's [the whole step checks before anything changes])."""
-    if wanted is None or state is None:
+    if wanted is None or state is None or isinstance(state, Mapping):
         return set(manifest.files)
     try:
         items = decode_json(state, source)["items"]

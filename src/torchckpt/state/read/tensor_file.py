@@ -102,7 +102,8 @@ def _read_data(fd: int, spans: list[tuple[torch.Tensor, int, int]], start: int, 
             index += 1
             continue
         last = index  # a run of small tensors that fits the shared buffer
-        while last < len(spans) and spans[last][2] - spans[last][1] < _SMALL_BYTES and spans[last][2] - begin <= _BATCH_BYTES:
+        while (last < len(spans) and spans[last][2] - spans[last][1] < _SMALL_BYTES
+               and spans[last][2] - begin <= _BATCH_BYTES):
             last += 1
         run_bytes = spans[last - 1][2] - begin
         count = _pread_fully(fd, batch_view[:run_bytes], start + begin)
