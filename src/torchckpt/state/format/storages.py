@@ -76,7 +76,7 @@ def _write_group(keys: list[str], tensors: Mapping[str, torch.Tensor], written: 
     spans = {key: _byte_span(tensors[key]) for key in owners}
     low = min(begin for begin, _ in spans.values())
     high = max(end for _, end in spans.values())
-    dense = sum(end - begin for begin, end in spans.values())
+    dense = sum(_own_bytes(tensors[key]) for key in owners)
     if len(owners) == 1 and tensors[owners[0]].is_contiguous():
         written[owners[0]] = tensors[owners[0]]
         return
@@ -106,6 +106,10 @@ def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     begin = int(tensor.storage_offset()) * itemsize
     last = sum((int(size) - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
     return begin, begin + (last + 1) * itemsize
+
+
+def _own_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _free_key(base: str, taken: Mapping[str, Any]) -> str:
