@@ -17,7 +17,7 @@ Rules kept here (named in ``docs/design.md``):
    tree joined by ``.``, so a model's flat state_dict is stored under its own keys
    (``torchckpt export`` relies on this).
 4. **[zero copy both ways]** A safetensors file is written as chunks: its header,
-   then each host tensor's own memory (:func:`safetensors_chunks`); only tensors under 64 KiB are
+   then each host tensor's own memory (format/tensor_chunks.py's ``safetensors_chunks``); only tensors under 64 KiB are
    joined (copied) into shared chunks, so many small tensors cost one write and one hash task per
    16 MiB, not one each. A restore reads each tensor into its own memory (read/tensor_file.py); decoding
    a buffer holding a whole file (other back ends, other readers) makes each tensor of 1 MiB or more a
@@ -28,7 +28,6 @@ Rules kept here (named in ``docs/design.md``):
 from __future__ import annotations
 
 import base64
-import ctypes
 import json
 import math
 import sys
@@ -44,17 +43,13 @@ from torchckpt._host import local_part
 from torchckpt.state.errors import CheckpointCorruptError, UnsafeFileError, UnsupportedStateError
 from torchckpt.state.format.manifest import json_problem
 
-_TAG = "__torchckpt__"
+TREE_TAG = _TAG = "__torchckpt__"  # the key of a tagged entry in an encoded tree (format/storages.py adds some)
 _SCALARS = (bool, int, float, str, type(None))
 SAFETENSORS_MAX_HEADER_BYTES = 100 << 20
 # Decoded tensors at least this large are views of the read buffer; smaller ones are copied. Copying
 # them costs nothing, and some small uint8 tensors are structs in disguise (a torch.Generator's state)
 # that native code reads with aligned loads: as views at an odd offset they crashed set_state (SIGSEGV).
 _VIEW_MIN_BYTES = 1 << 20
-# A save joins the bytes of tensors smaller than this into chunks of about _JOINED_CHUNK_BYTES (one write
-# and one hash task each, not one per tensor: 100k tiny tensors); larger ones are written from their memory.
-_JOIN_BELOW_BYTES = 64 << 10
-_JOINED_CHUNK_BYTES = 16 << 20
 
 
 def split_tensors(
@@ -249,57 +244,15 @@ def _decode_tagged(tag: str, value: dict, tensors: Mapping[str, torch.Tensor], s
     raise ValueError(f"unknown tag {tag!r}")
 
 
-def view_node(key: str, tensor: torch.Tensor, byte_offset: int) -> dict[str, Any]:
-    """The tree entry of ``tensor`` stored as a view of entry ``key``'s bytes, from ``byte_offset`` on, with
-    ``tensor``'s dtype, shape and strides (format/storages.py's [a storage is written once]).
-
-    Example:
-        >>> base = torch.arange(6.0)
-        >>> node = view_node("base", base[2:].view(2, 2).t(), 8)
-        >>> join_tensors(node, {"base": base}, "m.json")
-        tensor([[2., 4.],
-                [3., 5.]])
-    """
-    return {_TAG: "view", "key": key, "dtype": SAFETENSORS_DTYPES[tensor.dtype], "offset": byte_offset,
-            "shape": list(tensor.shape), "stride": list(tensor.stride())}
-
-
-def tensor_node(key: str) -> dict[str, Any]:
-    """The tree entry of a tensor stored whole under ``key`` (what :func:`split_tensors` writes; a tie is a
-    second entry naming the same key).
-
-    Example:
-        >>> weight = torch.ones(2)
-        >>> tied = join_tensors({"a": tensor_node("w"), "b": tensor_node("w")}, {"w": weight}, "m.json")
-        >>> tied["a"] is tied["b"] is weight
-        True
-    """
-    return {_TAG: "tensor", "key": key}
-
-
-def replace_tensor_nodes(tree: Any, replacements: Mapping[str, dict[str, Any]]) -> Any:
-    """``tree`` with each tensor entry whose key ``replacements`` names replaced by its new entry.
-
-    Example:
-        >>> replace_tensor_nodes([tensor_node("a"), tensor_node("b")], {"b": tensor_node("a")})
-        [{'__torchckpt__': 'tensor', 'key': 'a'}, {'__torchckpt__': 'tensor', 'key': 'a'}]
-    """
-    if type(tree) is list:
-        return [replace_tensor_nodes(value, replacements) for value in tree]
-    if type(tree) is not dict:
-        return tree
-    if tree.get(_TAG) == "tensor":
-        return replacements.get(tree["key"], tree)
-    return {key: replace_tensor_nodes(value, replacements) for key, value in tree.items()}
-
 
 def _decode_view(value: dict, tensors: Mapping[str, torch.Tensor], source: str) -> torch.Tensor:
-    """A view entry (:func:`view_node`) as a tensor sharing its base entry's storage; every number checked."""
+    """A view entry (format/storages.py's ``view_node``) as a tensor sharing its base entry's storage; every
+    number checked."""
     base = tensors.get(value["key"])
     if base is None:
         problem = f"refers to tensor {value['key']!r}, which its .safetensors file lacks"
         raise CheckpointCorruptError(f"{source}: {problem}", {source: problem})
-    dtype = _DTYPES_BY_NAME[value["dtype"]]
+    dtype = DTYPES_BY_NAME[value["dtype"]]
     offset, shape, stride = value["offset"], value["shape"], value["stride"]
     numbers = [offset, *shape, *stride]
     if not (type(shape) is list and type(stride) is list and len(shape) == len(stride)
@@ -352,87 +305,8 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
+DTYPES_BY_NAME: dict[str, torch.dtype] = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
-
-def safetensors_chunks(tensors: Mapping[str, torch.Tensor], *, join_small: bool = True) -> list[bytes | memoryview]:
-    """A safetensors file of CPU contiguous tensors as chunks to write in order ([zero copy both ways]).
-
-    The first chunk is the 8-byte length plus the JSON header; every other chunk
-    is a view of one tensor's memory, or (``join_small``) the bytes of many small
-    tensors, copied now: the caller must not change the tensors until the chunks
-    are written, and must pass ``join_small=False`` if their bytes are filled later.
-
-    Example:
-        >>> chunks = safetensors_chunks({"w": torch.ones(2)})
-        >>> len(chunks), decode_safetensors(b"".join(chunks), "m.safetensors")["w"]
-        (2, tensor([1., 1.]))
-    """
-    if sys.byteorder != "little":  # the format is little-endian; let the library swap bytes
-        return [safetensors.torch.save({key: t.contiguous() for key, t in tensors.items()})]
-    order = sorted(tensors, key=lambda key: (-tensors[key].element_size(), key))  # keeps data aligned
-    header, _ = _safetensors_header(tensors, order)
-    chunks: list[bytes | memoryview] = [len(header).to_bytes(8, "little") + header]
-    small: list[bytes] = []  # small tensors' bytes, joined into one chunk: one write and one hash task for many
-    small_bytes = 0
-    for key in order:
-        tensor = tensors[key]
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes >= _JOIN_BELOW_BYTES or not join_small:
-            if small:
-                chunks.append(b"".join(small))
-                small, small_bytes = [], 0
-            chunks.append(_tensor_memory(key, tensor))
-        elif nbytes:
-            _check_host(key, tensor)
-            small.append(ctypes.string_at(tensor.data_ptr(), nbytes))
-            small_bytes += nbytes
-            if small_bytes >= _JOINED_CHUNK_BYTES:
-                chunks.append(b"".join(small))
-                small, small_bytes = [], 0
-    if small:
-        chunks.append(b"".join(small))
-    return chunks
-
-
-def _check_host(key: str, tensor: torch.Tensor) -> None:
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError(
-            f"tensor {key!r} is on {tensor.device}, contiguous={tensor.is_contiguous()}; expected a "
-            "contiguous CPU tensor. Fix: pass tensor.cpu().contiguous() (snapshot.py does)."
-        )
-
-
-def _tensor_memory(key: str, tensor: torch.Tensor) -> memoryview:
-    _check_host(key, tensor)
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data  # ndarray.data: a memoryview of its bytes
-
-
-def encode_safetensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """safetensors bytes of CPU contiguous tensors (the chunks of :func:`safetensors_chunks`, joined).
-
-    For small files and tests; saves write the chunks without joining them.
-
-    Example:
-        >>> decode_safetensors(encode_safetensors({"w": torch.ones(2)}), "m.safetensors")["w"]
-        tensor([1., 1.])
-    """
-    return b"".join(safetensors_chunks(tensors))
-
-
-def _safetensors_header(tensors: Mapping[str, torch.Tensor], order: list[str]) -> tuple[bytes, int]:
-    entries: dict[str, Any] = {}
-    offset = 0
-    for key in order:
-        tensor = tensors[key]
-        size = tensor.numel() * tensor.element_size()
-        entries[key] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    header = json.dumps(entries, separators=(",", ":")).encode("utf-8")
-    return header + b" " * (-len(header) % 8), offset
-
-
-_DTYPES_BY_NAME: dict[str, torch.dtype] = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 def decode_safetensors(data: bytes | memoryview | torch.Tensor, path: str) -> dict[str, torch.Tensor]:
@@ -458,7 +332,7 @@ def decode_safetensors(data: bytes | memoryview | torch.Tensor, path: str) -> di
     try:
         if sys.byteorder != "little":
             return safetensors.torch.load(bytes(view))
-        entries = _parse_safetensors_header(bytes(view[8 : 8 + header_bytes]), len(view) - 8 - header_bytes)
+        entries = safetensors_entries(bytes(view[8 : 8 + header_bytes]), len(view) - 8 - header_bytes)
     except (ValueError, TypeError, safetensors.SafetensorError) as error:  # JSON and UTF-8 errors are ValueErrors
         problem = f"not a valid safetensors file ({error}); it was damaged or written by another tool"
         raise CheckpointCorruptError(f"{path}: {problem}", {path: problem}) from None
@@ -477,13 +351,6 @@ def safetensors_entries(header: bytes, data_bytes: int) -> list[tuple[str, torch
         >>> safetensors_entries(b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', 8)
         [('w', torch.float32, [2], 0, 8)]
     """
-    return _parse_safetensors_header(header, data_bytes)
-
-
-def _parse_safetensors_header(
-    header: bytes, data_bytes: int
-) -> list[tuple[str, torch.dtype, list[int], int, int]]:
-    """Entries (key, dtype, shape, begin, end) of a header, checked like the reference parser does."""
     body = json.loads(header.decode("utf-8"))
     if type(body) is not dict:
         raise ValueError(f"header is a JSON {type(body).__name__}, expected an object")
@@ -507,9 +374,9 @@ def _parse_safetensors_header(
 def _header_entry(key: str, info: Any) -> tuple[str, torch.dtype, list[int], int, int]:
     if type(info) is not dict:
         raise ValueError(f"entry {key!r} is not an object")
-    dtype = _DTYPES_BY_NAME.get(info.get("dtype"))  # type: ignore[arg-type]
+    dtype = DTYPES_BY_NAME.get(info.get("dtype"))  # type: ignore[arg-type]
     if dtype is None:
-        raise ValueError(f"tensor {key!r} has dtype {info.get('dtype')!r}; supported: {sorted(_DTYPES_BY_NAME)}")
+        raise ValueError(f"tensor {key!r} has dtype {info.get('dtype')!r}; supported: {sorted(DTYPES_BY_NAME)}")
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape):
         raise ValueError(f"tensor {key!r} has shape {shape!r}; expected a list of non-negative ints")

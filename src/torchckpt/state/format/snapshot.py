@@ -30,11 +30,11 @@ from torchckpt.state.format.codec import (
     decode_safetensors,
     encode_json,
     join_tensors,
-    safetensors_chunks,
     split_tensors,
 )
 from torchckpt.state.format.layout import STATE_NAME
 from torchckpt.state.format.storages import write_once
+from torchckpt.state.format.tensor_chunks import safetensors_chunks
 from torchckpt.state.live.staging import HostStaging, to_host
 
 FileChunks = list[bytes | memoryview]

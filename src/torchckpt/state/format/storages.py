@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from torchckpt.state.format.codec import replace_tensor_nodes, tensor_node, view_node
+from torchckpt.state.format.codec import SAFETENSORS_DTYPES, TREE_TAG
 
 _Signature = tuple[torch.dtype, int, tuple[int, ...], tuple[int, ...]]
 
@@ -118,3 +118,49 @@ def _free_key(base: str, taken: Mapping[str, Any]) -> str:
         suffix += 1
         key = f"{base}#{suffix}"
     return key
+
+
+def view_node(key: str, tensor: torch.Tensor, byte_offset: int) -> dict[str, Any]:
+    """The tree entry of ``tensor`` stored as a view of entry ``key``'s bytes, from ``byte_offset`` on, with
+    ``tensor``'s dtype, shape and strides (format/storages.py's [a storage is written once]).
+
+    Example:
+        >>> from torchckpt.state.format.codec import join_tensors
+        >>> base = torch.arange(6.0)
+        >>> node = view_node("base", base[2:].view(2, 2).t(), 8)
+        >>> join_tensors(node, {"base": base}, "m.json")
+        tensor([[2., 4.],
+                [3., 5.]])
+    """
+    return {TREE_TAG: "view", "key": key, "dtype": SAFETENSORS_DTYPES[tensor.dtype], "offset": byte_offset,
+            "shape": list(tensor.shape), "stride": list(tensor.stride())}
+
+
+def tensor_node(key: str) -> dict[str, Any]:
+    """The tree entry of a tensor stored whole under ``key`` (what :func:`split_tensors` writes; a tie is a
+    second entry naming the same key).
+
+    Example:
+        >>> from torchckpt.state.format.codec import join_tensors
+        >>> weight = torch.ones(2)
+        >>> tied = join_tensors({"a": tensor_node("w"), "b": tensor_node("w")}, {"w": weight}, "m.json")
+        >>> tied["a"] is tied["b"] is weight
+        True
+    """
+    return {TREE_TAG: "tensor", "key": key}
+
+
+def replace_tensor_nodes(tree: Any, replacements: Mapping[str, dict[str, Any]]) -> Any:
+    """``tree`` with each tensor entry whose key ``replacements`` names replaced by its new entry.
+
+    Example:
+        >>> replace_tensor_nodes([tensor_node("a"), tensor_node("b")], {"b": tensor_node("a")})
+        [{'__torchckpt__': 'tensor', 'key': 'a'}, {'__torchckpt__': 'tensor', 'key': 'a'}]
+    """
+    if type(tree) is list:
+        return [replace_tensor_nodes(value, replacements) for value in tree]
+    if type(tree) is not dict:
+        return tree
+    if tree.get(TREE_TAG) == "tensor":
+        return replacements.get(tree["key"], tree)
+    return {key: replace_tensor_nodes(value, replacements) for key, value in tree.items()}

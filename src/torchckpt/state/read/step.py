@@ -15,11 +15,13 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
 3. **[decode the bytes that were hashed]** Restore decodes from the very bytes
    that were hashed, so a file changed between verification and loading cannot
    slip through.
-4. **[one read per file]** Each file is read once, into one buffer of its manifest
-   size, piece by piece; with ``verify="full"`` each piece is hashed in a second
-   thread while the next one is read. The tensors restore decodes are views of
-   that buffer (format/codec.py's [zero copy both ways]): reading costs one pass over the
-   bytes.
+4. **[one read per file]** Each file is read once, piece by piece; with
+   ``verify="full"`` each piece is hashed in a second thread while the next one is
+   read. A local ``.safetensors`` file is read straight into its tensors, each in its
+   own memory (tensor_file.py's [each tensor reads into its own memory]); any other
+   file (and every file of an fsspec step) into one buffer of its manifest size, whose
+   tensors are decoded as views of it (format/codec.py's [zero copy both ways]):
+   reading costs one pass over the bytes.
 5. **[only verified steps are decoded]** (Note: [no manifest, no checkpoint]) Only
    steps whose manifest validates are decoded; bytes are decoded from exactly what
    was verified ([decode the bytes that were hashed]).
@@ -200,7 +202,8 @@ def _read_or_stream(
         streamed = stream_pieces(root, name, lambda piece: hash_thread.submit(hasher.update, piece).result,
                                  expected.size_bytes)
         return None, _final_problem(streamed, expected, hasher, algorithm)
-    if keep and root is not None and name.endswith(".safetensors"):  # tensor_file.py's [each tensor reads ...]
+    if keep and root is not None and name.endswith(".safetensors"):
+        # tensor_file.py's [each tensor reads into its own memory]
         on_pieces = None if hasher is None else (
             lambda pieces: hash_thread.submit(_update_all, hasher, pieces).result)  # one task per batch
         try:

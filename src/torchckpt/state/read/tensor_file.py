@@ -7,7 +7,7 @@ Rules kept here (named in ``docs/design.md``):
    bytes straight into a fresh tensor of its own (``torch.empty``: aligned, never shared), in file
    order, every piece handed to the hash as it lands. So a restored tensor's storage is its own bytes
    and nothing else (``torch.save`` of one restored tensor writes that tensor), the bytes decoded are
-   the bytes hashed (step.py's [decode the bytes that were hashed]), and a restore needs no memory
+   the bytes hashed (read/step.py's [decode the bytes that were hashed]), and a restore needs no memory
    beyond the restored tensors: tensors under 64 KiB are read many at a time through one reused
    1 MiB buffer and copied out, larger ones in 16 MiB pieces into their own memory. Ties and views come
    back sharing one storage from the tree (format/storages.py's [a storage is written once]).
@@ -43,7 +43,7 @@ def read_tensors(step_dir: str, name: str, size_bytes: int,
 
     Example:
         >>> import tempfile
-        >>> from torchckpt.state.format.codec import encode_safetensors
+        >>> from torchckpt.state.format.tensor_chunks import encode_safetensors
         >>> tmp = tempfile.TemporaryDirectory(); data = encode_safetensors({"w": torch.ones(3)})
         >>> _ = open(os.path.join(tmp.name, "m.safetensors"), "wb").write(data)
         >>> tensors, size = read_tensors(tmp.name, "m.safetensors", len(data), None)
