@@ -20,8 +20,10 @@ from torchckpt.state.format.codec import decode_safetensors, join_tensors
 from torchckpt.state.format.layout import step_dir_name
 from torchckpt.state.format.storages import view_node
 
-transformers = pytest.importorskip("transformers")
-GPT2Config, GPT2LMHeadModel = transformers.GPT2Config, transformers.GPT2LMHeadModel  # imported while collecting
+try:  # imported while collecting, so no test pays for it
+    from transformers import GPT2Config, GPT2LMHeadModel
+except ImportError:  # the GPT-2 tests skip; the others run
+    GPT2Config = GPT2LMHeadModel = None
 
 
 def _tensor_data_bytes(path: str) -> int:
@@ -45,6 +47,8 @@ def _same(restored: dict, saved: dict) -> bool:
 
 
 def _tied_gpt2(seed: int = 0) -> torch.nn.Module:
+    if GPT2Config is None:
+        pytest.skip("needs transformers")
     torch.manual_seed(seed)
     config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=64)
     model = GPT2LMHeadModel(config)
