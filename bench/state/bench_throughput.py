@@ -1,7 +1,7 @@
 """Save/restore throughput of torchckpt against raw I/O, torch.save/load and torch.distributed.checkpoint.
 
 Usage: .venv/bin/python bench/state/bench_throughput.py [--mb 512] [--repeats 3] [--dir DIR] [--warm]
-       [--methods raw,torch,dcp,torchckpt,hash]
+       [--methods raw,torch,dcp,torchckpt,hash] [--tiny 100000] [--tied-gpt2] [--out FILE]
 
 One process, one state: a model of 4 square bias-free Linear layers + AdamW state after one step
 (params + 2 moments ~= --mb MB, 1 MB = 10**6 bytes). Every repeat runs every method once, in
@@ -32,10 +32,21 @@ copy, hash and write share the training step's cores and memory bandwidth.
 Restores go into a freshly built model and optimizer, as a resumed run's do; one more row restores into
 the live objects (a rollback inside one process), which first frees their old state.
 
+Against torch.save/load (issue 29, with --methods torch,torchckpt): the restore with verify="full" also
+records its peak RSS over the restored state (VmHWM reset before it, minus the RSS before and the state's
+bytes), against the largest tensor. ``--tiny N`` adds a state of N tiny tensors (4 fp32 each, one dict
+item), saved and restored by torch.save/torch.load and torchckpt in the same interleaved repeats;
+``--tied-gpt2`` saves a GPT-2 small with tied embeddings (transformers' GPT2Config, random weights, no
+download) once and compares its tensor bytes on disk with the unique bytes of its storages.
+
 Targets (ratios of median times; the zero-copy I/O targets): torchckpt sync save / raw write throughput >= 0.8;
 async save blocking time / sync save time <= 0.10; torchckpt restore / raw read throughput >= 0.8,
-for verify="full" and verify="fast".
-Prints a Markdown table and writes bench/state/results/throughput.json. Measured, never asserted.
+for verify="full" and verify="fast". Against torch (issue 29): sync save / torch.save <= 0.6, async blocking /
+torch.save <= 0.1, restore verify=full / torch.load <= 1.0, restore's peak RSS over the state <= the largest
+tensor; tiny tensors: sync save / torch.save <= 1.0, restore / torch.load <= 0.5; tied GPT-2: tensor bytes on
+disk == unique storage bytes.
+Prints Markdown tables and writes bench/state/results/throughput.json (or --out), with the commit it ran on.
+Measured, never asserted.
 """
 
 from __future__ import annotations
@@ -53,6 +64,9 @@ from collections.abc import Callable
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # bench/: the harness package
+from harness.provenance import run_record
+from torchckpt.memory.rss import read_rss_bytes, reset_peak_rss
 from torchckpt.state import Checkpointer
 from torchckpt.state.format.hashing import DEFAULT_HASH_ALGORITHM, hash_bytes
 from torchckpt.state.format.layout import parse_step_dir_name
@@ -128,6 +142,8 @@ class Bench:
     def __init__(self, root: str, model, optimizer, nbytes: int, warm: bool) -> None:
         self.root, self.model, self.optimizer, self.nbytes, self.warm = root, model, optimizer, nbytes, warm
         self.times: dict[str, list[float]] = {}
+        self.tiny_state: dict[str, torch.Tensor] | None = None
+        self.rss_over_state: list[int] = []  # peak RSS of each verify="full" restore over the restored state
         self.step = 0
         self.async_ckpt: Checkpointer | None = None  # lives across repeats, like a training run's
         self.staged_ckpt: Checkpointer | None = None  # async_staging=True, also across repeats
@@ -233,7 +249,11 @@ class Bench:
             model, optimizer = objects.pop()
             self.before_read(sync_dir)
             with Checkpointer(sync_dir, verify=verify) as ckpt:
+                rss_before = read_rss_bytes()[0]
+                measured = verify == "full" and objects is not live and reset_peak_rss()
                 restored = self.timed(name, lambda: ckpt.restore(model=model, optimizer=optimizer, rng=False))
+                if measured:
+                    self.rss_over_state.append(read_rss_bytes()[1] - rss_before - self.nbytes)
             assert restored == step and torch.equal(model[0].weight, saved_weight)
 
         def read_only() -> None:
@@ -247,10 +267,10 @@ class Bench:
         # as a resumed run does: a freshly built model and optimizer (no state yet), built now, untimed and
         # well before the reads (initialising them runs torch's thread pool, which spins a while after)
         fresh = [[fresh_model_and_optimizer(self.model)] for _ in range(2)]
+        live = [(self.model, self.optimizer)]
         return [lambda: restore("full", "torchckpt restore (verify=full)", fresh[0]),
                 lambda: restore("fast", "torchckpt restore (verify=fast, no hashing)", fresh[1]),
-                lambda: restore("full", "torchckpt restore into the live model+optimizer (verify=full)",
-                                [(self.model, self.optimizer)]),
+                lambda: restore("full", "torchckpt restore into the live model+optimizer (verify=full)", live),
                 read_only]
 
     def torchckpt_async(self, async_dir: str) -> None:
@@ -297,6 +317,41 @@ class Bench:
         self.times.setdefault("torchckpt save (async_staging, until committed)", []).append(time.perf_counter() - start)
         clear_steps(staged_dir)
 
+    def tiny(self, count: int) -> list[Callable[[], None]]:
+        """``count`` tiny tensors (4 fp32 each, one dict item): torch.save/load against torchckpt's sync save and
+        restore (verify="full")."""
+        if self.tiny_state is None:
+            self.tiny_state = {f"t{i}": torch.randn(4) for i in range(count)}
+        state, step = self.tiny_state, self.step + 2 * 10**6
+        path, directory = os.path.join(self.root, "tiny.pt"), os.path.join(self.root, "tiny-ckpt")
+        remove(path)
+        remove(directory)
+
+        def save() -> None:
+            torch.save(state, path)
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+        self.timed("tiny tensors: torch.save (+fsync)", save)
+        with Checkpointer(directory) as ckpt:
+            self.timed("tiny tensors: torchckpt save (sync)", lambda: ckpt.save(step, extras=state))
+
+        def load() -> None:
+            self.before_read(path)
+            loaded = self.timed("tiny tensors: torch.load", lambda: torch.load(path, weights_only=True))
+            assert torch.equal(loaded["t7"], state["t7"])
+
+        def restore() -> None:
+            self.before_read(directory)
+            restored: dict = {}
+            with Checkpointer(directory) as ckpt:
+                self.timed("tiny tensors: torchckpt restore (verify=full)",
+                           lambda: ckpt.restore(extras=restored, rng=False))
+            assert torch.equal(restored["t7"], state["t7"]) and len(restored) == len(state)
+
+        return [load, restore]
+
     def touch(self) -> None:
         """First touch of fresh memory, as every reader's buffer gets: on a VM its cost varies widely."""
         fresh = torch.empty(self.nbytes, dtype=torch.uint8)
@@ -311,6 +366,72 @@ class Bench:
         return []
 
 
+def tied_gpt2(root: str) -> dict:
+    """Save a GPT-2 small with tied embeddings once; its tensor bytes on disk against its unique storage bytes,
+    and what a restore gives back (the tie, each tensor's own storage, what torch.save of one tensor writes)."""
+    import transformers
+
+    config = transformers.GPT2Config()
+    model = transformers.GPT2LMHeadModel(config)
+    state = model.state_dict()
+    unique = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.values()}
+    directory = os.path.join(root, "tied-gpt2")
+    with Checkpointer(directory) as ckpt:
+        ckpt.save(1, model=model)
+    step_dir = os.path.join(directory, "step-000000001")
+    files = {name: os.path.getsize(os.path.join(step_dir, name)) for name in sorted(os.listdir(step_dir))}
+    with open(os.path.join(step_dir, "model.safetensors"), "rb") as handle:
+        header_bytes = int.from_bytes(handle.read(8), "little")
+    restored = transformers.GPT2LMHeadModel(config)
+    with Checkpointer(directory) as ckpt:
+        ckpt.restore(model=restored, rng=False)
+    one = os.path.join(root, "one-tensor.pt")
+    torch.save(restored.lm_head.weight.detach(), one)
+    weight = restored.lm_head.weight
+    result = {
+        "state_dict_bytes": sum(t.numel() * t.element_size() for t in state.values()),
+        "unique_storage_bytes": sum(unique.values()),
+        "tensor_bytes_on_disk": files["model.safetensors"] - 8 - header_bytes,
+        "step_bytes_on_disk": sum(files.values()), "files": files,
+        "restored_tie_is_one_tensor": restored.lm_head.weight is restored.transformer.wte.weight,
+        "restored_tensors_own_their_storage": all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                                                  for t in restored.state_dict().values()),
+        "torch_save_of_one_restored_tensor_bytes": os.path.getsize(one),
+        "that_tensor_bytes": weight.numel() * weight.element_size(),
+        "bitwise": all(torch.equal(a, b) for a, b in zip(state.values(), restored.state_dict().values())),
+    }
+    shutil.rmtree(directory)
+    os.remove(one)
+    return result
+
+
+def torch_targets(med: dict[str, float], bench: Bench, largest: int, tied: dict | None) -> list[tuple]:
+    """The issue-29 ratios against torch.save/torch.load that the run measured: (name, value, wanted, met)."""
+    found = []
+    save = f"torchckpt save (sync, {DEFAULT_HASH_ALGORITHM})"
+    if "torch.save (+fsync)" in med and save in med:
+        torch_save, torch_load = med["torch.save (+fsync)"], med["torch.load"]
+        found += [("sync save / torch.save (time)", med[save] / torch_save, "<= 0.6", 0.6),
+                  ("async blocking / torch.save (time)", med["torchckpt save (async, blocking part)"] / torch_save,
+                   "<= 0.1", 0.1),
+                  ("restore verify=full / torch.load (time)", med["torchckpt restore (verify=full)"] / torch_load,
+                   "<= 1.0", 1.0)]
+    if bench.rss_over_state:
+        over = statistics.median(bench.rss_over_state)
+        found.append(("restore's peak RSS over the restored state / largest tensor (median)", over / largest,
+                      "<= 1.0", 1.0))
+    if "tiny tensors: torch.save (+fsync)" in med:
+        tiny_save = med["tiny tensors: torchckpt save (sync)"] / med["tiny tensors: torch.save (+fsync)"]
+        found += [("tiny tensors: sync save / torch.save (time)", tiny_save, "<= 1.0", 1.0),
+                  ("tiny tensors: restore / torch.load (time)",
+                   med["tiny tensors: torchckpt restore (verify=full)"] / med["tiny tensors: torch.load"], "<= 0.5",
+                   0.5)]
+    if tied is not None:
+        found.append(("tied GPT-2 small: tensor bytes on disk / unique storage bytes",
+                      tied["tensor_bytes_on_disk"] / tied["unique_storage_bytes"], "<= 1.0", 1.0))
+    return [(name, value, wanted, value <= limit) for name, value, wanted, limit in found]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=512, help="state size in MB (10**6 bytes)")
@@ -319,7 +440,12 @@ def main() -> None:
     parser.add_argument("--warm", action="store_true", help="read from the page cache (no eviction)")
     parser.add_argument("--methods", default="raw,torch,dcp,torchckpt,hash",
                         help="comma-separated subset of raw,torch,dcp,torchckpt,hash (targets need raw,torchckpt)")
+    parser.add_argument("--tiny", type=int, default=0, help="also N tiny tensors against torch.save/load")
+    parser.add_argument("--tied-gpt2", action="store_true", help="also a tied GPT-2 small's bytes on disk")
+    parser.add_argument("--out", default=None, help="results file (default: bench/state/results/throughput.json)")
     args = parser.parse_args()
+    record = run_record(os.path.dirname(os.path.abspath(__file__)), command=" ".join([os.path.basename(
+        sys.executable), *sys.argv]))
     warnings.filterwarnings("ignore")  # dcp without a process group warns on every call
     model, optimizer, nbytes = build_state(args.mb)
     root = tempfile.mkdtemp(prefix="torchckpt-throughput-", dir=args.dir)
@@ -330,6 +456,8 @@ def main() -> None:
                    "hash": bench.hash_only}
         chosen_names = args.methods.split(",")
         chosen = [methods[name] for name in sorted(chosen_names, key=list(methods).index)]  # raw first
+        if args.tiny:
+            chosen.append(lambda: bench.tiny(args.tiny))
         for repeat in range(args.repeats):
             # every write of the repeat first, then every read, the raw read first and last: reads right
             # after gigabytes of writes are slower on a virtual disk, and all reads should see the same disk
@@ -339,6 +467,7 @@ def main() -> None:
                 bench.timed("touch fresh memory of the state's size (page faults, for reference)", bench.touch)
                 read()
             print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+        tied = tied_gpt2(root) if args.tied_gpt2 else None
     finally:
         for ckpt in (bench.async_ckpt, bench.staged_ckpt) if bench is not None else ():
             if ckpt is not None:
@@ -349,7 +478,8 @@ def main() -> None:
     for name, seconds in bench.times.items():
         median = statistics.median(seconds)
         rows[name] = {"median_s": median, "min_s": min(seconds), "max_s": max(seconds),
-                      "mb_per_s": nbytes / MB / median if median > 0 and not name.startswith("training step") else None,
+                      "mb_per_s": (nbytes / MB / median if median > 0 and not name.startswith(("training step", "tiny"))
+                                   else None),
                       "seconds": seconds}
     med = {name: row["median_s"] for name, row in rows.items()}
     save = f"torchckpt save (sync, {DEFAULT_HASH_ALGORITHM})"
@@ -366,7 +496,13 @@ def main() -> None:
     ] if "raw read" in med and save in med else []
     plain_step = "training step, no save in flight"
     slowdowns = {name: med[name] / med[plain_step] for name in med if name.startswith("training step, a")}
+    largest = max(t.numel() * t.element_size() for t in bench._tensors())
+    against_torch = torch_targets(med, bench, largest, tied)
     results = {
+        **record, "tiny_tensors": args.tiny, "tied_gpt2": tied, "largest_tensor_bytes": largest,
+        "restore_peak_rss_over_state_bytes": bench.rss_over_state,
+        "against_torch": [{"ratio": name, "value": value, "target": wanted, "met": met}
+                          for name, value, wanted, met in against_torch],
         "state_bytes": nbytes, "repeats": args.repeats, "cold_reads": not args.warm, "cpu_count": os.cpu_count(),
         "torch": torch.__version__, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "rows": rows,
@@ -387,11 +523,16 @@ def main() -> None:
     for target in results["targets"]:
         met = "yes" if target["met"] else "no"
         print(f"| {target['ratio']} | {target['value']:.2f} | {target['target']} | {met} |")
+    for name, value, wanted, met in against_torch:
+        print(f"| {name} | {value:.2f} | {wanted} | {'yes' if met else 'no'} |")
     for name, ratio in slowdowns.items():
         print(f"\n{name} / no save in flight: {ratio:.2f} (median {med[name]:.3f} s vs {med[plain_step]:.3f} s)")
-    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "throughput.json"), "w") as handle:
+    if tied is not None:
+        print(f"\ntied GPT-2 small: {tied}")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "throughput.json")
+    results["load_after"] = os.getloadavg()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as handle:
         json.dump(results, handle, indent=1)
 
 

@@ -16,11 +16,10 @@ from torchckpt.state.format.codec import (
     decode_json,
     decode_safetensors,
     encode_json,
-    encode_safetensors,
     join_tensors,
-    safetensors_chunks,
     split_tensors,
 )
+from torchckpt.state.format.tensor_chunks import encode_safetensors, safetensors_chunks
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,

@@ -272,7 +272,17 @@ def _snapshot_weights(storage: Storage, snapshot: Snapshot, item: str) -> dict[s
         raise CheckpointMismatchError(f"{storage.location}: step {snapshot.step} has no item {item!r}; "
                                       f"it holds {list(snapshot.item_names)}")
     _, state = snapshot.items[item]
-    return {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+    tensors, seen = {}, set()
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        memory = value.untyped_storage()
+        if (memory.data_ptr() in seen or not value.is_contiguous()
+                or memory.nbytes() != value.numel() * value.element_size()):
+            value = value.contiguous().clone()  # a tie or a view (format/storages.py): safetensors wants its own
+        seen.add(memory.data_ptr())
+        tensors[key] = value
+    return tensors
 
 
 def _newest_sharded_weights(storage: Storage, step: int | None, item: str) -> tuple[int, dict[str, torch.Tensor]]:

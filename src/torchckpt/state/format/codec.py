@@ -17,10 +17,12 @@ Rules kept here (named in ``docs/design.md``):
    tree joined by ``.``, so a model's flat state_dict is stored under its own keys
    (``torchckpt export`` relies on this).
 4. **[zero copy both ways]** A safetensors file is written as chunks: its header,
-   then each host tensor's own memory (:func:`safetensors_chunks`); nothing is joined. Decoding makes each tensor of
-   1 MiB or more a view of the buffer the file was read (and hashed) into; smaller
-   tensors, and any whose offset does not suit its dtype's alignment (files
-   written by other tools), are copied into their own memory.
+   then each host tensor's own memory (format/tensor_chunks.py's ``safetensors_chunks``); only tensors under 64 KiB are
+   joined (copied) into shared chunks, so many small tensors cost one write and one hash task per
+   16 MiB, not one each. A restore reads each tensor into its own memory (read/tensor_file.py); decoding
+   a buffer holding a whole file (other back ends, other readers) makes each tensor of 1 MiB or more a
+   view of it; smaller tensors, and any whose offset does not suit its dtype's alignment (files written
+   by other tools), are copied into their own memory.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ from torchckpt.state.errors import CheckpointCorruptError, UnsafeFileError, Unsu
 from torchckpt.state.format.manifest import json_problem
 from torchckpt.state.format.tensor_kinds import is_sparse, sparse_from_parts, sparse_parts, unstorable_problem
 
-_TAG = "__torchckpt__"
+TREE_TAG = _TAG = "__torchckpt__"  # the key of a tagged entry in an encoded tree (format/storages.py adds some)
 _SCALARS = (bool, int, float, str, type(None))
-_SAFETENSORS_MAX_HEADER_BYTES = 100 << 20
+SAFETENSORS_MAX_HEADER_BYTES = 100 << 20
 # Decoded tensors at least this large are views of the read buffer; smaller ones are copied. Copying
 # them costs nothing, and some small uint8 tensors are structs in disguise (a torch.Generator's state)
 # that native code reads with aligned loads: as views at an odd offset they crashed set_state (SIGSEGV).
@@ -52,12 +54,15 @@ _VIEW_MIN_BYTES = 1 << 20
 _JSON_INT_LIMIT = 1 << 1000  # and beyond (302 digits): tagged hex; json refuses over 4300 digits (640 at the least)
 
 
-def split_tensors(tree: Any, item: str, *, sharded: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+def split_tensors(
+    tree: Any, item: str, *, sharded: bool = False, keep_layout: bool = False
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """Separate tensors from a nested state into (JSON-able tree, flat tensor dict).
 
-    Tensors are detached and made contiguous but stay on their device (views of
-    CPU tensors; the snapshot moves them to host memory). Tied tensors are
-    stored once per key. A DTensor is refused unless ``sharded`` (sharded/save.py hands it to DCP as it is).
+    Tensors are detached and made contiguous (with ``keep_layout``: left as the views they are, for
+    format/storages.py to write each storage once) but stay on their device (views of CPU tensors; the
+    snapshot moves them to host memory). Every key gets its own entry, tied ones too. A DTensor is refused
+    unless ``sharded`` (sharded/save.py hands it to DCP as it is).
 
     Example:
         >>> tree, tensors = split_tensors({"w": torch.ones(2), "lr": 0.1, 3: (1, 2)}, "opt")
@@ -65,7 +70,7 @@ def split_tensors(tree: Any, item: str, *, sharded: bool = False) -> tuple[Any, 
         (['w'], 'dict')
     """
     tensors: dict[str, torch.Tensor] = {}
-    encoded = _encode(tree, (), item, tensors, sharded)
+    encoded = _encode(tree, (), item, tensors, sharded, keep_layout)
     return encoded, tensors
 
 
@@ -94,20 +99,21 @@ def _encode(
     item: str,
     tensors: dict[str, torch.Tensor],
     sharded: bool = False,
+    keep_layout: bool = False,
 ) -> Any:
     if type(value) in _SCALARS:
         if type(value) is int and not -_JSON_INT_LIMIT < value < _JSON_INT_LIMIT:
             return {_TAG: "int", "hex": hex(value)}  # json cannot write it (4300 digits); hex has no such limit
         return value
     if isinstance(value, torch.Tensor):
-        return _encode_tensor(value, path, item, tensors, sharded)
+        return _encode_tensor(value, path, item, tensors, sharded, keep_layout)
     if type(value) in (dict, OrderedDict):  # state_dict() returns an OrderedDict
-        return _encode_dict(value, path, item, tensors, sharded)
+        return _encode_dict(value, path, item, tensors, sharded, keep_layout)
     if type(value) is list:
-        return [_encode(v, path + (str(i),), item, tensors, sharded) for i, v in enumerate(value)]
+        return [_encode(v, path + (str(i),), item, tensors, sharded, keep_layout) for i, v in enumerate(value)]
     if type(value) in (tuple, torch.Size):
         kind = "tuple" if type(value) is tuple else "size"
-        items = [_encode(v, path + (str(i),), item, tensors, sharded) for i, v in enumerate(value)]
+        items = [_encode(v, path + (str(i),), item, tensors, sharded, keep_layout) for i, v in enumerate(value)]
         return {_TAG: kind, "items": items}
     if isinstance(value, (np.ndarray, np.generic)):
         return _encode_numpy(value, path, item)
@@ -122,12 +128,13 @@ def _encode(
 
 
 def _encode_dict(value: dict, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor],
-                 sharded: bool) -> Any:
+                 sharded: bool, keep_layout: bool) -> Any:
     plain = all(type(k) is str for k in value) and _TAG not in value
     if plain:
-        return {k: _encode(v, path + (k,), item, tensors, sharded) for k, v in value.items()}
+        return {k: _encode(v, path + (k,), item, tensors, sharded, keep_layout) for k, v in value.items()}
     pairs = [
-        [_encode(k, path, item, tensors, sharded), _encode(v, path + (_key_text(k),), item, tensors, sharded)]
+        [_encode(k, path, item, tensors, sharded, keep_layout),
+         _encode(v, path + (_key_text(k),), item, tensors, sharded, keep_layout)]
         for k, v in value.items()
     ]
     return {_TAG: "dict", "items": pairs}
@@ -138,8 +145,14 @@ def _key_text(key: Any) -> str:  # str() of an int over 4300 digits raises
 
 
 def _encode_tensor(
-    value: torch.Tensor, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor], sharded: bool
+    value: torch.Tensor, path: tuple[str, ...], item: str, tensors: dict[str, torch.Tensor], sharded: bool,
+    keep_layout: bool = False,
 ) -> dict[str, Any]:
+    if type(value) is torch.Tensor and keep_layout and value.layout is torch.strided and not value.requires_grad:
+        _check_storable(value, path, item)  # the common case, quickly (100k small tensors)
+        key = _unique_key(_path_text(path), tensors)
+        tensors[key] = value.detach().resolve_conj().resolve_neg()
+        return {_TAG: "tensor", "key": key}
     local = local_part(value)
     if local is not value and not sharded:
         raise UnsupportedStateError(
@@ -159,7 +172,8 @@ def _encode_tensor(
         encoded = {name: _encode_tensor(part, path + (name,), item, tensors, sharded) for name, part in parts.items()}
         return {_TAG: "sparse", **fields, "parts": encoded}
     _check_storable(value, path, item)
-    host = value.detach().resolve_conj().resolve_neg().contiguous()
+    host = value.detach().resolve_conj().resolve_neg()
+    host = host if keep_layout else host.contiguous()
     key = _unique_key(_path_text(path), tensors)
     tensors[key] = host
     tag: dict[str, Any] = {_TAG: "tensor", "key": key}
@@ -225,6 +239,8 @@ def _decode_tagged(tag: str, value: dict, tensors: Mapping[str, torch.Tensor], s
             problem = f"refers to tensor {value['key']!r}, which its .safetensors file lacks"
             raise CheckpointCorruptError(f"{source}: {problem}", {source: problem})
         return _with_flags(tensors[value["key"]], value)
+    if tag == "view":
+        return _with_flags(_decode_view(value, tensors, source), value)
     if tag == "int":
         return int(value["hex"], 16)
     if tag == "sparse":
@@ -253,6 +269,31 @@ def _with_flags(tensor: torch.Tensor, tag: Mapping[str, Any]) -> torch.Tensor:
     if tag.get("parameter") is True:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     return tensor.detach().requires_grad_() if requires_grad else tensor
+
+
+def _decode_view(value: dict, tensors: Mapping[str, torch.Tensor], source: str) -> torch.Tensor:
+    """A view entry (format/storages.py's ``view_node``) as a tensor sharing its base entry's storage; every
+    number checked."""
+    base = tensors.get(value["key"])
+    if base is None:
+        problem = f"refers to tensor {value['key']!r}, which its .safetensors file lacks"
+        raise CheckpointCorruptError(f"{source}: {problem}", {source: problem})
+    dtype = DTYPES_BY_NAME[value["dtype"]]
+    offset, shape, stride = value["offset"], value["shape"], value["stride"]
+    numbers = [offset, *shape, *stride]
+    if not (type(shape) is list and type(stride) is list and len(shape) == len(stride)
+            and all(type(n) is int and n >= 0 for n in numbers)):
+        raise ValueError(f"offset {offset!r}, shape {shape!r}, stride {stride!r}: expected ints >= 0, one stride "
+                         "per dimension")
+    span = 0 if 0 in shape else (1 + sum((n - 1) * step for n, step in zip(shape, stride))) * dtype.itemsize
+    base_bytes = base.numel() * base.element_size()
+    if not base.is_contiguous() or offset + span > base_bytes:
+        raise ValueError(f"a view of {span} bytes at byte {offset} does not fit in its base of {base_bytes} bytes")
+    start = base.storage_offset() * base.element_size() + offset
+    if start % dtype.itemsize:  # only bytes read into one shared buffer (another reader) can be misaligned
+        raw = base.reshape(-1).view(torch.uint8)[offset : offset + span].clone()
+        return raw.view(dtype).as_strided(shape, stride)
+    return torch.empty(0, dtype=dtype).set_(base.untyped_storage(), start // dtype.itemsize, shape, stride)
 
 
 def encode_json(tree: Any) -> bytes:
@@ -290,62 +331,8 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
+DTYPES_BY_NAME: dict[str, torch.dtype] = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
-
-def safetensors_chunks(tensors: Mapping[str, torch.Tensor]) -> list[bytes | memoryview]:
-    """A safetensors file of CPU contiguous tensors as chunks to write in order ([zero copy both ways]).
-
-    The first chunk is the 8-byte length plus the JSON header; every other chunk
-    is a view of one tensor's memory, so nothing is copied: the caller must not
-    change the tensors until the chunks are written.
-
-    Example:
-        >>> chunks = safetensors_chunks({"w": torch.ones(2)})
-        >>> len(chunks), decode_safetensors(b"".join(chunks), "m.safetensors")["w"]
-        (2, tensor([1., 1.]))
-    """
-    if sys.byteorder != "little":  # the format is little-endian; let the library swap bytes
-        return [safetensors.torch.save({key: t.contiguous() for key, t in tensors.items()})]
-    order = sorted(tensors, key=lambda key: (-tensors[key].element_size(), key))  # keeps data aligned
-    header, _ = _safetensors_header(tensors, order)
-    return [len(header).to_bytes(8, "little") + header] + [_tensor_memory(key, tensors[key]) for key in order]
-
-
-def _tensor_memory(key: str, tensor: torch.Tensor) -> memoryview:
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError(
-            f"tensor {key!r} is on {tensor.device}, contiguous={tensor.is_contiguous()}; expected a "
-            "contiguous CPU tensor. Fix: pass tensor.cpu().contiguous() (snapshot.py does)."
-        )
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data  # ndarray.data: a memoryview of its bytes
-
-
-def encode_safetensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """safetensors bytes of CPU contiguous tensors (the chunks of :func:`safetensors_chunks`, joined).
-
-    For small files and tests; saves write the chunks without joining them.
-
-    Example:
-        >>> decode_safetensors(encode_safetensors({"w": torch.ones(2)}), "m.safetensors")["w"]
-        tensor([1., 1.])
-    """
-    return b"".join(safetensors_chunks(tensors))
-
-
-def _safetensors_header(tensors: Mapping[str, torch.Tensor], order: list[str]) -> tuple[bytes, int]:
-    entries: dict[str, Any] = {}
-    offset = 0
-    for key in order:
-        tensor = tensors[key]
-        size = tensor.numel() * tensor.element_size()
-        entries[key] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    header = json.dumps(entries, separators=(",", ":")).encode("utf-8")
-    return header + b" " * (-len(header) % 8), offset
-
-
-_DTYPES_BY_NAME: dict[str, torch.dtype] = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 def decode_safetensors(data: bytes | memoryview | torch.Tensor, path: str) -> dict[str, torch.Tensor]:
@@ -363,7 +350,7 @@ def decode_safetensors(data: bytes | memoryview | torch.Tensor, path: str) -> di
     """
     view = data.numpy().data if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
     header_bytes = int.from_bytes(view[:8], "little") if len(view) >= 8 else -1
-    if not (0 < header_bytes <= min(len(view) - 8, _SAFETENSORS_MAX_HEADER_BYTES)) or view[8:9] != b"{":
+    if not (0 < header_bytes <= min(len(view) - 8, SAFETENSORS_MAX_HEADER_BYTES)) or view[8:9] != b"{":
         # Checked only here: a valid header length (e.g. 0x280) may start with pickle's magic.
         refuse_executable_formats(view, path)
         problem = f"not a safetensors file (header length field {header_bytes}, file {len(view)} bytes)"
@@ -371,7 +358,7 @@ def decode_safetensors(data: bytes | memoryview | torch.Tensor, path: str) -> di
     try:
         if sys.byteorder != "little":
             return safetensors.torch.load(bytes(view))
-        entries = _parse_safetensors_header(bytes(view[8 : 8 + header_bytes]), len(view) - 8 - header_bytes)
+        entries = safetensors_entries(bytes(view[8 : 8 + header_bytes]), len(view) - 8 - header_bytes)
     except (ValueError, TypeError, safetensors.SafetensorError) as error:  # JSON and UTF-8 errors are ValueErrors
         problem = f"not a valid safetensors file ({error}); it was damaged or written by another tool"
         raise CheckpointCorruptError(f"{path}: {problem}", {path: problem}) from None
@@ -381,10 +368,15 @@ def decode_safetensors(data: bytes | memoryview | torch.Tensor, path: str) -> di
             for key, dtype, shape, begin, end in entries}
 
 
-def _parse_safetensors_header(
-    header: bytes, data_bytes: int
-) -> list[tuple[str, torch.dtype, list[int], int, int]]:
-    """Entries (key, dtype, shape, begin, end) of a header, checked like the reference parser does."""
+def safetensors_entries(header: bytes, data_bytes: int) -> list[tuple[str, torch.dtype, list[int], int, int]]:
+    """Entries (key, dtype, shape, begin, end) of a safetensors header (the JSON after the length field)
+    followed by ``data_bytes`` bytes of data, in the order of their data; raises ``ValueError`` (or a
+    ``TypeError``) unless every rule of the format holds, as the reference parser checks them.
+
+    Example:
+        >>> safetensors_entries(b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', 8)
+        [('w', torch.float32, [2], 0, 8)]
+    """
     body = json.loads(header.decode("utf-8"))
     if type(body) is not dict:
         raise ValueError(f"header is a JSON {type(body).__name__}, expected an object")
@@ -408,9 +400,9 @@ def _parse_safetensors_header(
 def _header_entry(key: str, info: Any) -> tuple[str, torch.dtype, list[int], int, int]:
     if type(info) is not dict:
         raise ValueError(f"entry {key!r} is not an object")
-    dtype = _DTYPES_BY_NAME.get(info.get("dtype"))  # type: ignore[arg-type]
+    dtype = DTYPES_BY_NAME.get(info.get("dtype"))  # type: ignore[arg-type]
     if dtype is None:
-        raise ValueError(f"tensor {key!r} has dtype {info.get('dtype')!r}; supported: {sorted(_DTYPES_BY_NAME)}")
+        raise ValueError(f"tensor {key!r} has dtype {info.get('dtype')!r}; supported: {sorted(DTYPES_BY_NAME)}")
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape):
         raise ValueError(f"tensor {key!r} has shape {shape!r}; expected a list of non-negative ints")

@@ -32,10 +32,10 @@ from torchckpt.state.errors import CheckpointCorruptError, CheckpointNewerFormat
 from torchckpt.state.format.hashing import hash_bytes
 
 FORMAT_NAME = "torchckpt.state"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 3  # an unsharded step: 3, a storage written once, views as entries (format/storages.py); 1 is read
 SHARDED_FORMAT_VERSION = 2  # a sharded step (sharded/save.py): older readers refuse it by version, naming an upgrade
-# A step (sharded or not) whose JSON holds a value tag added in format 3 (codec.py's FORMAT_3_TAGS: a huge int, a
-# sparse tensor); a step without one keeps version 1 or 2, so that an older torchckpt still reads it.
+# A sharded step whose JSON holds a value tag added in format 3 (codec.py's FORMAT_3_TAGS: a huge int, a sparse
+# tensor) is format 3 too; a sharded step without one keeps version 2, so that an older torchckpt still reads it.
 TAGGED_FORMAT_VERSION = 3
 NEWEST_FORMAT_VERSION = TAGGED_FORMAT_VERSION  # a step of a greater version is refused, never taken for corrupt
 

@@ -30,13 +30,15 @@ from torchckpt.state.format.codec import (
     decode_safetensors,
     encode_json,
     join_tensors,
-    safetensors_chunks,
     split_tensors,
 )
 from torchckpt.state.format.layout import STATE_NAME
+from torchckpt.state.format.storages import write_once
+from torchckpt.state.format.tensor_chunks import safetensors_chunks
 from torchckpt.state.live.staging import HostStaging, to_host
 
 FileChunks = list[bytes | memoryview]
+FileData = bytes | memoryview | Mapping[str, torch.Tensor]  # a file's bytes, or a tensor file read as its tensors
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +68,8 @@ def _is_flat(tree: Any) -> bool:
 def _encode_item(
     name: str, kind: str, state: Any, files: dict[str, FileChunks], tensor_groups: dict[str, dict[str, torch.Tensor]]
 ) -> dict[str, Any]:
-    tree, tensors = split_tensors(state, name)
+    # storages.py's [a storage is written once]
+    tree, tensors = write_once(*split_tensors(state, name, keep_layout=True))
     meta: dict[str, Any] = {"kind": kind, "tensor_file": None, "tree_file": None, "tree": None}
     module_metadata = getattr(state, "_metadata", None)  # nn.Module versions, read by load_state_dict
     if module_metadata is not None:
@@ -113,8 +116,8 @@ def encode_snapshot(
         hosted = dict(zip(tensor_groups, staging.copy(list(tensor_groups.values()), defer)))
     else:
         hosted = {name: to_host(tensors) for name, tensors in tensor_groups.items()}
-    for name, tensors in hosted.items():
-        files[name] = safetensors_chunks(tensors)
+    for name, tensors in hosted.items():  # deferred copies land later: their bytes cannot be joined now
+        files[name] = safetensors_chunks(tensors, join_small=staging is None or staging.deferred_count == 0)
     rng_tree, rng_tensors = split_tensors(rng, "rng")
     assert not rng_tensors, "capture_rng returns JSON-able values only"
     state = {"step": step, "metrics": dict(metrics), "rng": rng_tree, "items": items_meta}
@@ -133,7 +136,7 @@ def join_files(files: Mapping[str, FileChunks]) -> dict[str, bytes]:
 
 
 def decode_snapshot(
-    files: Mapping[str, bytes | memoryview],
+    files: Mapping[str, FileData],
     path_of: Callable[[str], str],
     wanted: Collection[str] | None = None,
 ) -> Snapshot:
@@ -146,7 +149,7 @@ def decode_snapshot(
         >>> decode_snapshot(join_files(files), lambda name: name).metrics
         {'loss': 1.0}
     """
-    state = decode_json(_file(files, STATE_NAME, path_of), path_of(STATE_NAME))
+    state = decode_json(_json_file(files, STATE_NAME, path_of), path_of(STATE_NAME))
     try:
         step = state["step"]
         if type(step) is not int or step < 0:  # never a bool, a float or Infinity (manifest.py's exact types)
@@ -162,7 +165,7 @@ def decode_snapshot(
         raise CheckpointCorruptError(f"{path_of(STATE_NAME)}: {problem}", {path_of(STATE_NAME): problem}) from None
 
 
-def _decode_item(meta: Mapping[str, Any], files: Mapping[str, bytes | memoryview],
+def _decode_item(meta: Mapping[str, Any], files: Mapping[str, FileData],
                  path_of: Callable[[str], str]) -> tuple[str, Any]:
     kind, state = _decode_item_state(meta, files, path_of)
     if meta.get("module_metadata") is not None:
@@ -172,22 +175,31 @@ def _decode_item(meta: Mapping[str, Any], files: Mapping[str, bytes | memoryview
 
 
 def _decode_item_state(
-    meta: Mapping[str, Any], files: Mapping[str, bytes | memoryview], path_of: Callable[[str], str]
+    meta: Mapping[str, Any], files: Mapping[str, FileData], path_of: Callable[[str], str]
 ) -> tuple[str, Any]:
-    tensors = {}
+    tensors: Mapping[str, torch.Tensor] = {}
     if meta["tensor_file"] is not None:
         name = meta["tensor_file"]
-        tensors = decode_safetensors(_file(files, name, path_of), path_of(name))
+        data = _file(files, name, path_of)
+        tensors = data if isinstance(data, Mapping) else decode_safetensors(data, path_of(name))
     if meta["tree_file"] is not None:
         name = meta["tree_file"]
-        tree = decode_json(_file(files, name, path_of), path_of(name))
+        tree = decode_json(_json_file(files, name, path_of), path_of(name))
         return meta["kind"], join_tensors(tree, tensors, path_of(name))
     if meta["tree"] is None:
         return meta["kind"], dict(tensors)  # a flat tensor map, keys as saved
     return meta["kind"], join_tensors(meta["tree"], tensors, path_of(STATE_NAME))
 
 
-def _file(files: Mapping[str, bytes | memoryview], name: str, path_of: Callable[[str], str]) -> bytes | memoryview:
+def _json_file(files: Mapping[str, FileData], name: str, path_of: Callable[[str], str]) -> bytes | memoryview:
+    data = _file(files, name, path_of)
+    if isinstance(data, Mapping):  # a crafted state.json naming a tensor file as a tree
+        problem = "a tensor file where state.json expects JSON"
+        raise CheckpointCorruptError(f"{path_of(name)}: {problem}", {path_of(name): problem})
+    return data
+
+
+def _file(files: Mapping[str, FileData], name: str, path_of: Callable[[str], str]) -> FileData:
     if name not in files:
         problem = "missing: state.json refers to it but the manifest does not list it"
         raise CheckpointCorruptError(f"{path_of(name)}: {problem}", {path_of(name): problem})

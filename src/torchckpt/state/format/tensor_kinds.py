@@ -79,7 +79,7 @@ def sparse_from_parts(fields: Mapping[str, Any], parts: Mapping[str, torch.Tenso
     """The sparse tensor :func:`sparse_parts` took apart (raises ValueError/KeyError for a malformed entry).
 
     Example:
-        >>> dense = torch.eye(2); fields, parts = sparse_parts(dense.to_sparse_csr())
+        >>> dense = torch.eye(2); fields, parts = sparse_parts(dense.to_sparse())
         >>> torch.equal(sparse_from_parts(fields, parts).to_dense(), dense)
         True
     """

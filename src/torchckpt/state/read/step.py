@@ -15,11 +15,13 @@ Rules kept here (named in ``docs/design.md``; the design notes they keep in pare
 3. **[decode the bytes that were hashed]** Restore decodes from the very bytes
    that were hashed, so a file changed between verification and loading cannot
    slip through.
-4. **[one read per file]** Each file is read once, into one buffer of its manifest
-   size, piece by piece; with ``verify="full"`` each piece is hashed in a second
-   thread while the next one is read. The tensors restore decodes are views of
-   that buffer (format/codec.py's [zero copy both ways]): reading costs one pass over the
-   bytes.
+4. **[one read per file]** Each file is read once, piece by piece; with
+   ``verify="full"`` each piece is hashed in a second thread while the next one is
+   read. A local ``.safetensors`` file is read straight into its tensors, each in its
+   own memory (tensor_file.py's [each tensor reads into its own memory]); any other
+   file (and every file of an fsspec step) into one buffer of its manifest size, whose
+   tensors are decoded as views of it (format/codec.py's [zero copy both ways]):
+   reading costs one pass over the bytes.
 5. **[only verified steps are decoded]** (Note: [no manifest, no checkpoint]) Only
    steps whose manifest validates are decoded; bytes are decoded from exactly what
    was verified ([decode the bytes that were hashed]).
@@ -42,8 +44,9 @@ from torchckpt.state.format.codec import decode_json
 from torchckpt.state.format.hashing import HASH_ALGORITHMS, new_hasher
 from torchckpt.state.format.layout import MANIFEST_NAME, STATE_NAME, step_dir_name
 from torchckpt.state.format.manifest import FileEntry, Manifest, parse_manifest
-from torchckpt.state.format.snapshot import Snapshot, decode_snapshot
+from torchckpt.state.format.snapshot import FileData, Snapshot, decode_snapshot
 from torchckpt.state.live.capture import check_rng
+from torchckpt.state.read.tensor_file import read_tensors
 from torchckpt.state.storage.base import Storage
 from torchckpt.state.storage.local import local_step_dir
 from torchckpt.state.storage.local_files import (
@@ -167,7 +170,7 @@ def _hash_problem(found: str, expected: str, algorithm: str) -> str | None:
 def _read_checked(
     storage: Storage, step: int, name: str, expected: FileEntry, algorithm: str | None, hash_thread: ThreadPoolExecutor,
     keep: bool,
-) -> tuple[memoryview | None, str | None]:
+) -> tuple[FileData | None, str | None]:
     """(bytes, None) if the file has the listed size (and hash, when ``algorithm``), else (None, problem).
 
     With ``keep=False`` (verification) the file is hashed as a stream, never held whole. Raises
@@ -189,7 +192,7 @@ def _read_checked(
 def _read_or_stream(
     storage: Storage, entry: str, name: str, expected: FileEntry, algorithm: str | None,
     hash_thread: ThreadPoolExecutor, keep: bool,
-) -> tuple[memoryview | None, str | None]:
+) -> tuple[FileData | None, str | None]:
     problem = _size_problem(_file_size(storage, entry, name), expected.size_bytes)  # sizes first, then bytes
     if problem is not None:
         return None, problem
@@ -199,12 +202,22 @@ def _read_or_stream(
         streamed = stream_pieces(root, name, lambda piece: hash_thread.submit(hasher.update, piece).result,
                                  expected.size_bytes)
         return None, _final_problem(streamed, expected, hasher, algorithm)
+    if keep and root is not None and name.endswith(".safetensors"):
+        # tensor_file.py's [each tensor reads into its own memory]
+        on_pieces = None if hasher is None else (
+            lambda pieces: hash_thread.submit(_update_all, hasher, pieces).result)  # one task per batch
+        try:
+            tensors, read_bytes = read_tensors(root, name, expected.size_bytes, on_pieces)
+        except (RuntimeError, MemoryError) as error:
+            return None, _no_memory(expected, error)
+        if tensors is not None:  # else its header is not valid: read it whole below, which names the problem
+            problem = _final_problem(read_bytes, expected, hasher, algorithm)
+            return (None, problem) if problem is not None else (tensors, None)
     try:
         # torch.empty: no zero-fill (bytearray would write every page once more) and 64-byte aligned views
         buffer = torch.empty(expected.size_bytes, dtype=torch.uint8).numpy().data  # ndarray.data: a memoryview
     except (RuntimeError, MemoryError) as error:
-        return None, (f"needs {expected.size_bytes} bytes of memory to read and could not get them ({error}). "
-                      "Fix: restore on a machine with more memory")
+        return None, _no_memory(expected, error)
     updates: list[Future[None]] = []
     hash_piece = None
     if hasher is not None:
@@ -221,6 +234,16 @@ def _read_or_stream(
     return (None, problem) if problem is not None else (buffer, None)
 
 
+def _update_all(hasher: object, pieces: list[memoryview]) -> None:
+    for piece in pieces:
+        hasher.update(piece)  # type: ignore[attr-defined]
+
+
+def _no_memory(expected: FileEntry, error: BaseException) -> str:
+    return (f"needs {expected.size_bytes} bytes of memory to read and could not get them ({error}). "
+            "Fix: restore on a machine with more memory")
+
+
 def _final_problem(size: int | None, expected: FileEntry, hasher: object, algorithm: str | None) -> str | None:
     problem = _size_problem(size, expected.size_bytes)
     if problem is not None:
@@ -232,7 +255,7 @@ def _final_problem(size: int | None, expected: FileEntry, hasher: object, algori
 
 def read_step_files(
     storage: Storage, step: int, manifest: Manifest, verify: VerifyMode, names: Collection[str] | None = None
-) -> dict[str, memoryview]:
+) -> dict[str, FileData]:
     """Bytes of the listed files (only ``names`` when given), checked per ``verify`` ([valid means every listed
     file checks], [decode the bytes that were hashed], [one read per file]).
 
@@ -246,7 +269,7 @@ def read_step_files(
 def _read_files(
     storage: Storage, step: int, manifest: Manifest, verify: VerifyMode, keep: bool,
     names: Collection[str] | None = None,
-) -> dict[str, memoryview]:
+) -> dict[str, FileData]:
     entry = step_dir_name(step)
     algorithm = manifest.hash_algorithm if verify == "full" else None
     if algorithm is not None and algorithm not in HASH_ALGORITHMS:
@@ -254,7 +277,7 @@ def _read_files(
         message = (f"unverifiable: hash algorithm {algorithm!r} is unknown to this torchckpt (known: "
                    f"{sorted(HASH_ALGORITHMS)}). Fix: upgrade torchckpt, or use verify='fast' if you trust the files")
         raise UnverifiableStepError(f"{path}: {message}", {path: message})
-    files: dict[str, memoryview] = {}
+    files: dict[str, FileData] = {}
     problems: dict[str, str] = {}
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchckpt-hash") as hash_thread:
         for name, expected in manifest.files.items():
@@ -324,10 +347,10 @@ def load_step(storage: Storage, step: int, verify: str, wanted: Collection[str] 
     return snapshot
 
 
-def _needed_files(state: memoryview | None, manifest: Manifest, wanted: Collection[str] | None,
+def _needed_files(state: FileData | None, manifest: Manifest, wanted: Collection[str] | None,
                   source: str) -> set[str]:
     """The files the ``wanted`` items live in (load.py's [the whole step checks before anything changes])."""
-    if wanted is None or state is None:
+    if wanted is None or state is None or isinstance(state, Mapping):
         return set(manifest.files)
     try:
         items = decode_json(state, source)["items"]

@@ -50,9 +50,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from torchckpt.state.errors import CheckpointCorruptError, UnsupportedStateError
-from torchckpt.state.format.codec import SAFETENSORS_DTYPES, safetensors_chunks
+from torchckpt.state.format.codec import SAFETENSORS_DTYPES
 from torchckpt.state.format.hashing import HASH_ALGORITHMS, hash_bytes
 from torchckpt.state.format.manifest import FileEntry
+from torchckpt.state.format.tensor_chunks import safetensors_chunks
 from torchckpt.state.storage.base import StepWriter
 from torchckpt.state.storage.hashed_write import hash_thread, write_hashed
 
