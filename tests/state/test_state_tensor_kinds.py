@@ -175,3 +175,12 @@ def test_a_crafted_requires_grad_flag_on_an_integer_tensor_is_corrupt():
     tree = {"__torchckpt__": "tensor", "key": "a", "parameter": True, "requires_grad": True}
     with pytest.raises(CheckpointCorruptError, match="malformed 'tensor' entry.*can require gradients"):
         join_tensors(tree, {"a": torch.ones(2, dtype=torch.int64)}, "extras.json")
+
+
+def test_a_tied_or_viewed_parameter_keeps_its_type_and_flag(run_dir):
+    """Ties and views become references to one written storage (format/storages.py); the flags go with them."""
+    weight = torch.nn.Parameter(torch.arange(8.0))
+    restored = _round_trip(run_dir, {"a": weight, "tied": weight, "half": torch.nn.Parameter(weight.data[4:])})
+    assert all(type(restored[k]) is torch.nn.Parameter and restored[k].requires_grad for k in ("a", "tied", "half"))
+    assert torch.equal(restored["half"].detach(), torch.arange(4.0, 8.0))
+    assert restored["a"].untyped_storage().data_ptr() == restored["tied"].untyped_storage().data_ptr()
