@@ -76,8 +76,6 @@ def test_import_torch_save_file_then_restore(tmp_path, capsys):
 def test_commands_plug_into_the_torchckpt_entry_point(run_dir, monkeypatch, capsys):
     import torchckpt.cli.main as entry
 
-    if "torchckpt.cli.state_commands" not in entry._COMMAND_MODULES:  # until main.py lists it
-        monkeypatch.setattr(entry, "_COMMAND_MODULES", (*entry._COMMAND_MODULES, "torchckpt.cli.state_commands"))
     with Checkpointer(run_dir) as ckpt:
         ckpt.save(4, model=tiny_model())
     assert entry.main(["verify", run_dir]) == 0

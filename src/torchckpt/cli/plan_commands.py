@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from torchckpt.cli import COMMANDS
 from torchckpt.models import MODELS, BatchShape, load_model
 
 __all__ = ["CommandLineError", "register", "select_blocks"]
@@ -222,7 +223,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         >>> parser.parse_args(["plan", "--blocks", "model.layers.*"]).blocks
         'model.layers.*'
     """
-    plan = subparsers.add_parser("plan", help="plan activation checkpointing for a model under a memory budget")
+    plan = subparsers.add_parser("plan", help=COMMANDS["plan"][1])
     _common(plan)
     plan.add_argument("--budget", default="60%", help="bytes, '6GiB', '800MB' or a percentage of the "
                                                       "no-checkpointing peak (default 60%%)")
@@ -230,7 +231,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--plot", help="also write a PNG of the memory/time frontier, with this plan's model "
                                      "(needs matplotlib: pip install torchckpt[train])")
     plan.set_defaults(func=_plan)
-    front = subparsers.add_parser("frontier", help="memory/time trade-off: Pareto plans and reference methods")
+    front = subparsers.add_parser("frontier", help=COMMANDS["frontier"][1])
     _common(front)
     front.add_argument("--points", type=_points, default=12, help="budgets to solve (>= 2; default 12)")
     front.add_argument("--plot", help="write a PNG of the frontier (needs matplotlib: pip install torchckpt[train])")

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from torchckpt.cli import COMMANDS
 from torchckpt.state import (
     CheckpointError,
     CheckpointInfo,
@@ -36,25 +37,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         >>> parser.parse_args(["verify", "runs/x", "--step", "3"]).step
         3
     """
-    ls = subparsers.add_parser("ls", help="list the checkpoints of a run directory")
+    ls = subparsers.add_parser("ls", help=COMMANDS["ls"][1])
     ls.add_argument("directory", help="run directory (path or fsspec URL)")
     ls.add_argument("--full", action="store_true", help="hash every file (default: sizes only)")
     ls.set_defaults(func=_guarded(_run_ls))
 
-    verify = subparsers.add_parser("verify", help="check checkpoints against their manifests (hashes)")
+    verify = subparsers.add_parser("verify", help=COMMANDS["verify"][1])
     verify.add_argument("directory")
     verify.add_argument("--step", type=int, default=None, help="verify only this step")
     verify.add_argument("--fast", action="store_true", help="check sizes only, not hashes")
     verify.set_defaults(func=_guarded(_run_verify))
 
-    export = subparsers.add_parser("export", help="write a step's model weights to one safetensors file")
+    export = subparsers.add_parser("export", help=COMMANDS["export"][1])
     export.add_argument("directory")
     export.add_argument("--step", type=int, default=None, help="default: newest valid step")
     export.add_argument("--out", required=True, help="output .safetensors path")
     export.add_argument("--item", default="model", help="item holding the weights (default: model)")
     export.set_defaults(func=_guarded(_run_export))
 
-    imp = subparsers.add_parser("import", help="convert a torch.save file (weights_only) into a checkpoint")
+    imp = subparsers.add_parser("import", help=COMMANDS["import"][1])
     imp.add_argument("file", help="a .pt/.pth file written by torch.save")
     imp.add_argument("directory")
     imp.add_argument("--step", type=int, default=None, help="default: its 'step' key, else 0")

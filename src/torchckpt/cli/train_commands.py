@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from torchckpt.cli import positive_int
+from torchckpt.cli import COMMANDS, positive_int
 from torchckpt.train.config import TrainOption, train_options
 
 # How each kind of option reads its value (torchckpt.train.config.TrainOption.kind); "switch" takes none.
@@ -68,7 +68,7 @@ def add_option(parser: argparse.ArgumentParser, option: TrainOption) -> None:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``torchckpt train``."""
     parser = subparsers.add_parser(
-        "train", help="train a GPT on the Python stdlib's source under a memory budget; resumable",
+        "train", help=COMMANDS["train"][1],
         description="Train the built-in GPT (or --model file.py:factory) as a byte-level language model on the "
                     "Python standard library's *.py files. Plans activation checkpointing for --budget, shows "
                     "live progress, saves every --save-every steps and on Ctrl-C/SIGTERM. Running the same "
