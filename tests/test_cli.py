@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +59,34 @@ def test_plan_and_frontier_commands(tmp_path) -> None:
     assert "checkpoint every block" in result.stdout and (tmp_path / "front.png").stat().st_size > 0
     result = _torchckpt("plan", "--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "32", "--budget", "1000")
     assert result.returncode == 2 and "smallest feasible peak" in result.stderr
+
+
+def _exit_code(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exit_info:  # argparse's usage errors
+        return int(exit_info.code or 0)
+
+
+def test_exit_codes_are_the_same_across_commands_and_documented(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """0 success, 1 a problem found, 2 bad usage or input: for every command (README's "Command line")."""
+    missing = str(tmp_path / "nope")
+    bad_input = [["nope"], ["train", "--steps", "0"], ["demo", "--size", "huge"], ["plan", "--model", "nope"],
+                 ["frontier", "--points", "1"], ["ls", missing], ["verify", missing],
+                 ["export", missing, "--out", str(tmp_path / "w.safetensors")], ["import", missing, str(tmp_path)],
+                 ["bench"]]
+    assert {" ".join(argv[:1]): _exit_code(argv) for argv in bad_input} == {argv[0]: 2 for argv in bad_input}
+    torch = pytest.importorskip("torch")
+    from torchckpt.state import Checkpointer
+
+    with Checkpointer(str(tmp_path / "run" / "checkpoints")) as ckpt:
+        ckpt.save(1, model=torch.nn.Linear(2, 2))
+    assert _exit_code(["verify", str(tmp_path / "run")]) == 0
+    next((tmp_path / "run" / "checkpoints").glob("step-*/*.safetensors")).write_bytes(b"not safetensors")
+    assert _exit_code(["verify", str(tmp_path / "run")]) == 1
+    capsys.readouterr()
+    assert _exit_code(["--help"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    for text in (shown, readme):
+        assert all(code in text for code in ("exit codes: 0 success", "1 a problem found", "2 bad usage or input"))
