@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 import safetensors.torch
 import torch
 from cli_helpers import run_cli

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from torchckpt.cli import COMMANDS
-from torchckpt.state.format.layout import parse_step_dir_name
 from torchckpt.state import (
     CheckpointError,
     CheckpointInfo,
@@ -32,7 +31,7 @@ from torchckpt.state import (
     list_checkpoints,
     verify_checkpoint,
 )
-
+from torchckpt.state.format.layout import parse_step_dir_name
 
 _DIRECTORY_HELP = "a run directory (runs/demo) or its checkpoints folder; a path or fsspec URL"
 
