@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchckpt._units import format_bytes
+from torchckpt._units import counted, format_bytes
 from torchckpt.cli import COMMANDS, positive_int
 from torchckpt.executor import PolicyLike, checkpoint_modules
 from torchckpt.memory import MemoryMeter
@@ -82,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
     params = sum(p.numel() for p in model.parameters())
     console.print(f"[bold]torchckpt demo[/]: gpt({args.size!r}), {params / 1e6:.1f}M parameters, "
                   f"batch {args.batch_size} x {args.seq_len} tokens, dropout {model.config.dropout}, "
-                  f"{args.steps} AdamW steps per method, CPU, {torch.get_num_threads()} threads")
+                  f"{args.steps} AdamW steps per method, CPU, {counted(torch.get_num_threads(), 'thread')}")
     runs = []
     for label, policy in _METHODS:
         console.print(f"  running: {label} ...")

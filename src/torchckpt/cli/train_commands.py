@@ -19,6 +19,7 @@ _READERS: dict[str, Callable[[str], Any]] = {"count": positive_int, "int": int, 
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from torchckpt._units import counted
     from torchckpt.state import CheckpointError
     from torchckpt.train import TrainConfig, train
 
@@ -34,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
             print(f"torchckpt train: {config.run_dir} | budget {config.budget} | batch {config.batch_size} x "
                   f"{config.seq_len} tokens | {config.steps} steps, {saving} | CPU, "
-                  f"{torch.get_num_threads()} threads", flush=True)
+                  f"{counted(torch.get_num_threads(), 'thread')}", flush=True)
         train(config, say=lambda text: print(text, flush=True))
     except (ValueError, TypeError, FileNotFoundError, ImportError, CheckpointError) as error:
         print(f"torchckpt train: error: {error}", file=sys.stderr)

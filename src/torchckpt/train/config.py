@@ -185,7 +185,8 @@ class TrainConfig:
     threads: int | None = train_option(
         None, "CPU threads (default: PyTorch's choice); resume with the same number for bitwise equal losses",
         count=True)
-    save: bool = train_option(True, "train without saving checkpoints (the run cannot be resumed)")
+    save: bool = train_option(True, "save no checkpoints: the plan and the loss log are still written to --dir, but "
+                                    "the run cannot be resumed (the same command starts again at step 1)")
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
