@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from torchckpt._optional import install_hint
 from torchckpt.cli import COMMANDS
 from torchckpt.models import MODELS, BatchShape, load_model
 
@@ -102,8 +103,8 @@ def _check_before_profiling(args: argparse.Namespace, action: str) -> None:
         try:
             import matplotlib  # noqa: F401 - only whether it is there
         except ImportError:
-            raise CommandLineError("--plot needs matplotlib: pip install torchckpt[train] (or pip install "
-                                   "matplotlib), or leave out --plot") from None
+            raise CommandLineError(f"--plot needs matplotlib: {install_hint('matplotlib')}, or leave out "
+                                   "--plot") from None
     if args.loss and args.step:
         raise CommandLineError("--loss and --step together: the --step function runs the whole forward and "
                                "backward, so compute the loss inside it and leave out --loss")
@@ -229,10 +230,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                       "no-checkpointing peak (default 60%%)")
     plan.add_argument("--out", help="write the plan as JSON")
     plan.add_argument("--plot", help="also write a PNG of the memory/time frontier, with this plan's model "
-                                     "(needs matplotlib: pip install torchckpt[train])")
+                                     "(needs matplotlib: pip install 'torchckpt[plot]')")
     plan.set_defaults(func=_plan)
     front = subparsers.add_parser("frontier", help=COMMANDS["frontier"][1])
     _common(front)
     front.add_argument("--points", type=_points, default=12, help="budgets to solve (>= 2; default 12)")
-    front.add_argument("--plot", help="write a PNG of the frontier (needs matplotlib: pip install torchckpt[train])")
+    front.add_argument("--plot", help="write a PNG of the frontier (needs matplotlib: pip install 'torchckpt[plot]')")
     front.set_defaults(func=_frontier)
