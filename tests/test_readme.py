@@ -91,3 +91,18 @@ def test_the_policy_table_says_what_dots_saveable_keeps() -> None:
 
     assert kept(0.0) == ["aten.bmm"]  # the matmul after attention; the fused attention's output is not kept
     assert kept(0.1) == ["aten.bmm", "aten.bmm", "aten.bmm"]  # attention as bmm, softmax, bmm on CPU
+
+
+def test_pip_install_quickstart_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's "pip install" section: its ten lines of Python run as written (in a temporary directory)."""
+    section = README.read_text().split("## pip install", 1)[1].split("\n## ", 1)[0]
+    assert "pip install 'torchckpt[all]'" in section
+    block = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    assert len(block.strip().splitlines()) <= 14  # a dozen lines of work and the imports
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(block, str(README), "exec"), namespace)  # noqa: S102 - our own README
+    plan, ckpt = namespace["plan"], namespace["ckpt"]
+    assert plan.predicted_peak_bytes <= plan.budget_bytes and ckpt.latest_step() == 1
+    assert (tmp_path / "runs" / "quickstart" / "step-000000001").is_dir()
+    namespace["handle"].remove()

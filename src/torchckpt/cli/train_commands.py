@@ -54,8 +54,8 @@ def add_option(parser: argparse.ArgumentParser, option: TrainOption) -> None:
         >>> for option in train_options():
         ...     add_option(parser, option)
         >>> args = parser.parse_args(["--steps", "8", "--no-save"])
-        >>> args.steps, args.save, args.budget
-        (8, False, '28%')
+        >>> args.steps, args.save, args.budget  # no --budget: the size's default (TrainConfig)
+        (8, False, 'auto')
     """
     text = option.help.replace("%", "%%")  # argparse formats help with %
     if option.kind == "switch":
