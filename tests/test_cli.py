@@ -51,6 +51,10 @@ def test_plan_and_frontier_commands(tmp_path) -> None:
                         "--out", str(out), "--plot", str(tmp_path / "plan.png"))
     assert result.returncode == 0, result.stderr
     assert "predicted peak" in result.stdout and out.is_file() and (tmp_path / "plan.png").stat().st_size > 0
+    progress = [line.split("] ", 1)[1] for line in result.stderr.splitlines() if line.startswith("[")]
+    assert progress[0] == "torchckpt plan: gpt-tiny: starting" and progress[-1] == "torchckpt plan: gpt-tiny: done"
+    assert any("profiling step 1: 2 blocks" in line for line in progress)
+    assert "torchckpt plan: gpt-tiny: solving" in progress
     result = _torchckpt("plan", "--model", "unet-tiny", "--batch-size", "2", "--image-size", "16", "--budget", "80%")
     assert result.returncode == 0 and "predicted peak" in result.stdout, result.stderr
     result = _torchckpt("frontier", "--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "32", "--points", "3",

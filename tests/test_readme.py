@@ -93,12 +93,27 @@ def test_the_policy_table_says_what_dots_saveable_keeps() -> None:
     assert kept(0.1) == ["aten.bmm", "aten.bmm", "aten.bmm"]  # attention as bmm, softmax, bmm on CPU
 
 
-def test_pip_install_quickstart_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """README's "pip install" section: its ten lines of Python run as written (in a temporary directory)."""
+def _pip_section() -> tuple[str, str]:
     section = README.read_text().split("## pip install", 1)[1].split("\n## ", 1)[0]
-    assert "pip install 'torchckpt[all]'" in section
-    block = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    return section, re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+
+
+def test_pip_install_section_names_the_extras_and_a_short_quickstart() -> None:
+    """The fast check of the section: its commands and the public names its Python uses (the slow test runs it)."""
+    import torchckpt
+
+    section, block = _pip_section()
+    assert "pip install torchckpt " in section and "pip install 'torchckpt[all]'" in section
     assert len(block.strip().splitlines()) <= 14  # a dozen lines of work and the imports
+    compile(block, str(README), "exec")
+    used = set(re.findall(r"torchckpt\.(\w+)", block))
+    assert used == {"plan", "verify_plan", "apply", "Checkpointer", "models"} and used <= set(torchckpt.__all__)
+
+
+@pytest.mark.slow  # profiles and verifies a plan (seconds to a minute on 2 busy cores); the test above is fast
+def test_pip_install_quickstart_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's "pip install" section: its Python runs as written (in a temporary directory)."""
+    _, block = _pip_section()
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     exec(compile(block, str(README), "exec"), namespace)  # noqa: S102 - our own README

@@ -22,6 +22,7 @@ from torch import nn
 from torchckpt._optional import install_hint
 from torchckpt.cli import COMMANDS
 from torchckpt.models import MODELS, BatchShape, load_model
+from torchckpt.train.status import Status, block_ticks
 
 __all__ = ["CommandLineError", "register", "select_blocks"]
 
@@ -111,8 +112,6 @@ def _check_before_profiling(args: argparse.Namespace, action: str) -> None:
 
 
 def _profiled(args: argparse.Namespace, action: str) -> Any:
-    from rich.console import Console
-
     from torchckpt.planner import (
         block_paths,
         fingerprint,
@@ -125,17 +124,16 @@ def _profiled(args: argparse.Namespace, action: str) -> Any:
     _check_before_profiling(args, action)
     loss_fn = _load_callable("--loss", args.loss) if args.loss else None
     step_fn = _load_callable("--step", args.step) if args.step else None
-    console = Console(stderr=True)
     shape = BatchShape(batch_size=args.batch_size, seq_len=args.seq_len, image_size=args.image_size)
     try:
         model, batch = load_model(args.model, shape, seed=args.seed)
     except (ImportError, SyntaxError) as error:  # the user's file: one line, as for --loss
         raise CommandLineError(f"--model {args.model}: importing failed: {type(error).__name__}: {error}") from None
     blocks = resolve_blocks(model, select_blocks(model, args.blocks) if args.blocks else "auto")
-    with console.status(f"profiling {args.model} ...") as status:
+    with Status(f"torchckpt {action}: {args.model}") as status, block_ticks(blocks, status):
         costs = profile(model, batch, blocks=blocks, loss_fn=loss_fn, step_fn=step_fn, batch_slices=args.batch_slices,
-                        progress=lambda message: status.update(f"{args.model}: {message}"))
-        status.update(f"{args.model}: solving")
+                        progress=status.update)
+        status.update("solving")
         paths = block_paths(model, blocks)
         identity = fingerprint(model, batch, paths)
         front = None
