@@ -94,3 +94,16 @@ def test_exit_codes_are_the_same_across_commands_and_documented(tmp_path, capsys
     readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
     for text in (shown, readme):
         assert all(code in text for code in ("exit codes: 0 success", "1 a problem found", "2 bad usage or input"))
+
+
+def test_every_listed_command_is_registered_by_its_module_and_help_lists_them_without_loading_any() -> None:
+    from torchckpt.cli import COMMANDS
+    from torchckpt.cli.main import build_parser
+
+    def commands(parser) -> dict:  # noqa: ANN001 - argparse's parser
+        return next(action.choices for action in parser._actions if isinstance(action.choices, dict))
+
+    full = commands(build_parser())
+    assert set(full) == set(COMMANDS) and all(full[name].format_help() for name in COMMANDS)
+    listed = commands(build_parser(commands=[]))
+    assert set(listed) == set(COMMANDS) and "--full" not in listed["ls"].format_help()
