@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +51,10 @@ def test_plan_and_frontier_commands(tmp_path) -> None:
                         "--out", str(out), "--plot", str(tmp_path / "plan.png"))
     assert result.returncode == 0, result.stderr
     assert "predicted peak" in result.stdout and out.is_file() and (tmp_path / "plan.png").stat().st_size > 0
+    progress = [line.split("] ", 1)[1] for line in result.stderr.splitlines() if line.startswith("[")]
+    assert progress[0] == "torchckpt plan: gpt-tiny: starting" and progress[-1] == "torchckpt plan: gpt-tiny: done"
+    assert any("profiling step 1: 2 blocks" in line for line in progress)
+    assert "torchckpt plan: gpt-tiny: solving" in progress
     result = _torchckpt("plan", "--model", "unet-tiny", "--batch-size", "2", "--image-size", "16", "--budget", "80%")
     assert result.returncode == 0 and "predicted peak" in result.stdout, result.stderr
     result = _torchckpt("frontier", "--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "32", "--points", "3",
@@ -58,3 +63,47 @@ def test_plan_and_frontier_commands(tmp_path) -> None:
     assert "checkpoint every block" in result.stdout and (tmp_path / "front.png").stat().st_size > 0
     result = _torchckpt("plan", "--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "32", "--budget", "1000")
     assert result.returncode == 2 and "smallest feasible peak" in result.stderr
+
+
+def _exit_code(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exit_info:  # argparse's usage errors
+        return int(exit_info.code or 0)
+
+
+def test_exit_codes_are_the_same_across_commands_and_documented(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """0 success, 1 a problem found, 2 bad usage or input: for every command (README's "Command line")."""
+    missing = str(tmp_path / "nope")
+    bad_input = [["nope"], ["train", "--steps", "0"], ["demo", "--size", "huge"], ["plan", "--model", "nope"],
+                 ["frontier", "--points", "1"], ["ls", missing], ["verify", missing],
+                 ["export", missing, "--out", str(tmp_path / "w.safetensors")], ["import", missing, str(tmp_path)],
+                 ["bench"]]
+    assert {" ".join(argv[:1]): _exit_code(argv) for argv in bad_input} == {argv[0]: 2 for argv in bad_input}
+    torch = pytest.importorskip("torch")
+    from torchckpt.state import Checkpointer
+
+    with Checkpointer(str(tmp_path / "run" / "checkpoints")) as ckpt:
+        ckpt.save(1, model=torch.nn.Linear(2, 2))
+    assert _exit_code(["verify", str(tmp_path / "run")]) == 0
+    next((tmp_path / "run" / "checkpoints").glob("step-*/*.safetensors")).write_bytes(b"not safetensors")
+    assert _exit_code(["verify", str(tmp_path / "run")]) == 1
+    capsys.readouterr()
+    assert _exit_code(["--help"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    for text in (shown, readme):
+        assert all(code in text for code in ("exit codes: 0 success", "1 a problem found", "2 bad usage or input"))
+
+
+def test_every_listed_command_is_registered_by_its_module_and_help_lists_them_without_loading_any() -> None:
+    from torchckpt.cli import COMMANDS
+    from torchckpt.cli.main import build_parser
+
+    def commands(parser) -> dict:  # noqa: ANN001 - argparse's parser
+        return next(action.choices for action in parser._actions if isinstance(action.choices, dict))
+
+    full = commands(build_parser())
+    assert set(full) == set(COMMANDS) and all(full[name].format_help() for name in COMMANDS)
+    listed = commands(build_parser(commands=[]))
+    assert set(listed) == set(COMMANDS) and "--full" not in listed["ls"].format_help()

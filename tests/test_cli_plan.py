@@ -107,7 +107,7 @@ def test_step_plans_the_users_own_loop(capsys: pytest.CaptureFixture[str], user_
     (["--step", "loss"], "--step loss: give path/to/file.py:function"),
     (["--budget", "lots"], "--budget='lots' is not a size; write a number with one of the units"),
     (["--budget", "150.5.%"], "--budget='150.5.%': a percentage must be a number followed by %"),
-    (["--plot", "x.png", "--model", "gpt-tiny"], "pip install torchckpt[train]"),
+    (["--plot", "x.png", "--model", "gpt-tiny"], "pip install 'torchckpt[plot]'"),
 ])
 def test_bad_values_exit_2_before_profiling(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
                                            user_file: str, no_profiling: None, flags: list[str],
@@ -124,7 +124,7 @@ def test_frontier_plot_without_matplotlib_fails_before_profiling(capsys: pytest.
                                                                 no_profiling: None) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code, _, err = _run(capsys, "frontier", "--model", "gpt-tiny", "--plot", "front.png")
-    assert code == 2 and "--plot needs matplotlib: pip install torchckpt[train]" in err
+    assert code == 2 and "--plot needs matplotlib: pip install 'torchckpt[plot]'" in err
 
 
 def test_bad_blocks_and_a_broken_file_exit_2(capsys: pytest.CaptureFixture[str], user_file: str,

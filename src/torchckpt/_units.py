@@ -134,3 +134,13 @@ def format_bytes(num_bytes: float) -> str:
     if unit == "B":
         return f"{int(value)} B"
     return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:.2f} {unit}"
+
+
+def counted(count: int, noun: str) -> str:
+    """``count`` and ``noun``, plural unless the count is one (nouns whose plural adds an s).
+
+    Example:
+        >>> counted(1, "thread"), counted(2, "thread")
+        ('1 thread', '2 threads')
+    """
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import safetensors.torch
 import torch
 from cli_helpers import run_cli
@@ -76,9 +77,32 @@ def test_import_torch_save_file_then_restore(tmp_path, capsys):
 def test_commands_plug_into_the_torchckpt_entry_point(run_dir, monkeypatch, capsys):
     import torchckpt.cli.main as entry
 
-    if "torchckpt.cli.state_commands" not in entry._COMMAND_MODULES:  # until main.py lists it
-        monkeypatch.setattr(entry, "_COMMAND_MODULES", (*entry._COMMAND_MODULES, "torchckpt.cli.state_commands"))
     with Checkpointer(run_dir) as ckpt:
         ckpt.save(4, model=tiny_model())
     assert entry.main(["verify", run_dir]) == 0
     assert "step 4: OK" in capsys.readouterr().out
+
+
+def test_a_run_directory_stands_for_its_checkpoints_folder(tmp_path, capsys):
+    """`torchckpt ls/verify/export runs/demo` find runs/demo/checkpoints (what `torchckpt train` writes)."""
+    run = tmp_path / "runs" / "demo"
+    (run / "run.json").parent.mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    with Checkpointer(str(run / "checkpoints")) as ckpt:
+        ckpt.save(3, model=tiny_model())
+    assert run_cli(["ls", str(run)]) == 0
+    assert "│ 3 " in capsys.readouterr().out
+    assert run_cli(["verify", str(run)]) == 0
+    assert "step 3: OK" in capsys.readouterr().out
+    assert run_cli(["export", str(run), "--out", str(tmp_path / "w.safetensors")]) == 0
+    assert safetensors.torch.load_file(str(tmp_path / "w.safetensors")).keys() == tiny_model().state_dict().keys()
+    capsys.readouterr()
+    assert run_cli(["ls", str(tmp_path / "runs")]) == 0  # the folder above: no checkpoints, names the runs in it
+    assert f"run directories in it: {run}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["ls"], ["verify"], ["export", "--out", "x.safetensors"]])
+def test_a_missing_path_is_bad_input(tmp_path, capsys, command):
+    missing = str(tmp_path / "runs" / "nope")
+    assert run_cli([command[0], missing, *command[1:]]) == 2
+    assert f"{missing}: no such directory; give a run directory" in capsys.readouterr().err

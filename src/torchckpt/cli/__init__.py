@@ -1,5 +1,7 @@
 """The ``torchckpt`` command line.
 
+``COMMANDS`` is the one list of commands: the module that registers each and its line in ``torchckpt --help``
+(the modules pass it as ``help=``), so that the top-level help needs none of them imported.
 ``positive_int`` is the one argparse type for options that take a count (``--steps``, ``--batch-size``).
 """
 
@@ -7,7 +9,23 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["positive_int"]
+__all__ = ["COMMANDS", "positive_int"]
+
+# command -> (the module whose register() adds it, its line in `torchckpt --help`), in the order listed
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("torchckpt.cli.train_commands",
+              "train a GPT on the Python stdlib's source under a memory budget; resumable"),
+    "demo": ("torchckpt.cli.demo",
+             "train the built-in GPT with and without checkpointing; print peak memory and gradient equality"),
+    "plan": ("torchckpt.cli.plan_commands", "plan activation checkpointing for a model under a memory budget"),
+    "frontier": ("torchckpt.cli.plan_commands", "memory/time trade-off: Pareto plans and reference methods"),
+    "ls": ("torchckpt.cli.state_commands", "list the checkpoints of a run directory"),
+    "verify": ("torchckpt.cli.state_commands", "check checkpoints against their manifests (hashes)"),
+    "export": ("torchckpt.cli.state_commands", "write a step's model weights to one safetensors file"),
+    "import": ("torchckpt.cli.state_commands", "convert a torch.save file (weights_only) into a checkpoint"),
+    "bench": ("torchckpt.cli.bench_commands",
+              "moved: run `make bench` or `python bench/run.py` from a source checkout"),
+}
 
 
 def positive_int(text: str) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from torchckpt.cli import COMMANDS
+
 MOVED = ("torchckpt bench: the benchmark runs from a source checkout of torchckpt: `make bench`, "
          "or `python bench/run.py --quick` (options as before; see bench/README.md)")
 
@@ -22,7 +24,6 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``torchckpt bench``, which takes any arguments (the old options too) and says where it moved."""
     # prefix_chars="+": the old options (--quick, --models ...) reach the catch-all instead of an argparse error.
-    parser = subparsers.add_parser("bench", help="moved: run `make bench` or `python bench/run.py` from a source "
-                                                 "checkout", prefix_chars="+", add_help=False)
+    parser = subparsers.add_parser("bench", help=COMMANDS["bench"][1], prefix_chars="+", add_help=False)
     parser.add_argument("ignored", nargs="*", help=argparse.SUPPRESS)
     parser.set_defaults(func=_run)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from torchckpt._units import format_bytes
-from torchckpt.cli import positive_int
+from torchckpt._units import counted, format_bytes
+from torchckpt.cli import COMMANDS, positive_int
 from torchckpt.executor import PolicyLike, checkpoint_modules
 from torchckpt.memory import MemoryMeter
 from torchckpt.models import GPT, gpt
@@ -82,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
     params = sum(p.numel() for p in model.parameters())
     console.print(f"[bold]torchckpt demo[/]: gpt({args.size!r}), {params / 1e6:.1f}M parameters, "
                   f"batch {args.batch_size} x {args.seq_len} tokens, dropout {model.config.dropout}, "
-                  f"{args.steps} AdamW steps per method, CPU, {torch.get_num_threads()} threads")
+                  f"{args.steps} AdamW steps per method, CPU, {counted(torch.get_num_threads(), 'thread')}")
     runs = []
     for label, policy in _METHODS:
         console.print(f"  running: {label} ...")
@@ -109,8 +109,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``torchckpt demo`` to the command line."""
-    parser = subparsers.add_parser("demo", help="train the built-in GPT with and without checkpointing; "
-                                                "print peak memory and gradient equality")
+    parser = subparsers.add_parser("demo", help=COMMANDS["demo"][1])
     parser.add_argument("--size", default="small", choices=["tiny", "mini", "small", "medium"],
                         help="built-in GPT size (default: small, 12 layers x 384)")
     parser.add_argument("--batch-size", type=positive_int, default=8)

@@ -19,7 +19,10 @@ from typing import Any
 
 from torch import nn
 
+from torchckpt._optional import install_hint
+from torchckpt.cli import COMMANDS
 from torchckpt.models import MODELS, BatchShape, load_model
+from torchckpt.train.status import Status, block_ticks
 
 __all__ = ["CommandLineError", "register", "select_blocks"]
 
@@ -101,16 +104,14 @@ def _check_before_profiling(args: argparse.Namespace, action: str) -> None:
         try:
             import matplotlib  # noqa: F401 - only whether it is there
         except ImportError:
-            raise CommandLineError("--plot needs matplotlib: pip install torchckpt[train] (or pip install "
-                                   "matplotlib), or leave out --plot") from None
+            raise CommandLineError(f"--plot needs matplotlib: {install_hint('matplotlib')}, or leave out "
+                                   "--plot") from None
     if args.loss and args.step:
         raise CommandLineError("--loss and --step together: the --step function runs the whole forward and "
                                "backward, so compute the loss inside it and leave out --loss")
 
 
 def _profiled(args: argparse.Namespace, action: str) -> Any:
-    from rich.console import Console
-
     from torchckpt.planner import (
         block_paths,
         fingerprint,
@@ -123,17 +124,16 @@ def _profiled(args: argparse.Namespace, action: str) -> Any:
     _check_before_profiling(args, action)
     loss_fn = _load_callable("--loss", args.loss) if args.loss else None
     step_fn = _load_callable("--step", args.step) if args.step else None
-    console = Console(stderr=True)
     shape = BatchShape(batch_size=args.batch_size, seq_len=args.seq_len, image_size=args.image_size)
     try:
         model, batch = load_model(args.model, shape, seed=args.seed)
     except (ImportError, SyntaxError) as error:  # the user's file: one line, as for --loss
         raise CommandLineError(f"--model {args.model}: importing failed: {type(error).__name__}: {error}") from None
     blocks = resolve_blocks(model, select_blocks(model, args.blocks) if args.blocks else "auto")
-    with console.status(f"profiling {args.model} ...") as status:
+    with Status(f"torchckpt {action}: {args.model}") as status, block_ticks(blocks, status):
         costs = profile(model, batch, blocks=blocks, loss_fn=loss_fn, step_fn=step_fn, batch_slices=args.batch_slices,
-                        progress=lambda message: status.update(f"{args.model}: {message}"))
-        status.update(f"{args.model}: solving")
+                        progress=status.update)
+        status.update("solving")
         paths = block_paths(model, blocks)
         identity = fingerprint(model, batch, paths)
         front = None
@@ -222,16 +222,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         >>> parser.parse_args(["plan", "--blocks", "model.layers.*"]).blocks
         'model.layers.*'
     """
-    plan = subparsers.add_parser("plan", help="plan activation checkpointing for a model under a memory budget")
+    plan = subparsers.add_parser("plan", help=COMMANDS["plan"][1])
     _common(plan)
     plan.add_argument("--budget", default="60%", help="bytes, '6GiB', '800MB' or a percentage of the "
                                                       "no-checkpointing peak (default 60%%)")
     plan.add_argument("--out", help="write the plan as JSON")
     plan.add_argument("--plot", help="also write a PNG of the memory/time frontier, with this plan's model "
-                                     "(needs matplotlib: pip install torchckpt[train])")
+                                     "(needs matplotlib: pip install 'torchckpt[plot]')")
     plan.set_defaults(func=_plan)
-    front = subparsers.add_parser("frontier", help="memory/time trade-off: Pareto plans and reference methods")
+    front = subparsers.add_parser("frontier", help=COMMANDS["frontier"][1])
     _common(front)
     front.add_argument("--points", type=_points, default=12, help="budgets to solve (>= 2; default 12)")
-    front.add_argument("--plot", help="write a PNG of the frontier (needs matplotlib: pip install torchckpt[train])")
+    front.add_argument("--plot", help="write a PNG of the frontier (needs matplotlib: pip install 'torchckpt[plot]')")
     front.set_defaults(func=_frontier)

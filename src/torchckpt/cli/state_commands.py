@@ -1,8 +1,11 @@
 """``torchckpt ls / verify / export / import``: inspect and convert training-state checkpoints.
 
 Every command prints a one-line error (no traceback) and exits with 2 when the
-input is unusable; ``verify`` exits with 1 when a checkpoint is corrupt or unverifiable (a
-hash algorithm this torchckpt does not know).
+input is unusable (a missing path among them); ``verify`` exits with 1 when a checkpoint is corrupt or
+unverifiable (a hash algorithm this torchckpt does not know), or when there is none to verify.
+
+Wherever a checkpoint directory is taken, a run directory of ``torchckpt train`` works too: ``runs/demo``
+stands for ``runs/demo/checkpoints`` (:func:`checkpoint_dir`).
 
 Text that comes from disk (metric names, paths, problems) is printed through :func:`shown`:
 control characters (ESC, BEL, C1 codes, bidirectional overrides) appear as ``\\x1b``-style
@@ -17,7 +20,9 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+from torchckpt.cli import COMMANDS
 from torchckpt.state import (
     CheckpointError,
     CheckpointInfo,
@@ -26,6 +31,9 @@ from torchckpt.state import (
     list_checkpoints,
     verify_checkpoint,
 )
+from torchckpt.state.format.layout import parse_step_dir_name
+
+_DIRECTORY_HELP = "a run directory (runs/demo) or its checkpoints folder; a path or fsspec URL"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,29 +44,82 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         >>> parser.parse_args(["verify", "runs/x", "--step", "3"]).step
         3
     """
-    ls = subparsers.add_parser("ls", help="list the checkpoints of a run directory")
-    ls.add_argument("directory", help="run directory (path or fsspec URL)")
+    ls = subparsers.add_parser("ls", help=COMMANDS["ls"][1])
+    ls.add_argument("directory", help=_DIRECTORY_HELP)
     ls.add_argument("--full", action="store_true", help="hash every file (default: sizes only)")
     ls.set_defaults(func=_guarded(_run_ls))
 
-    verify = subparsers.add_parser("verify", help="check checkpoints against their manifests (hashes)")
-    verify.add_argument("directory")
+    verify = subparsers.add_parser("verify", help=COMMANDS["verify"][1])
+    verify.add_argument("directory", help=_DIRECTORY_HELP)
     verify.add_argument("--step", type=int, default=None, help="verify only this step")
     verify.add_argument("--fast", action="store_true", help="check sizes only, not hashes")
     verify.set_defaults(func=_guarded(_run_verify))
 
-    export = subparsers.add_parser("export", help="write a step's model weights to one safetensors file")
-    export.add_argument("directory")
+    export = subparsers.add_parser("export", help=COMMANDS["export"][1])
+    export.add_argument("directory", help=_DIRECTORY_HELP)
     export.add_argument("--step", type=int, default=None, help="default: newest valid step")
     export.add_argument("--out", required=True, help="output .safetensors path")
     export.add_argument("--item", default="model", help="item holding the weights (default: model)")
     export.set_defaults(func=_guarded(_run_export))
 
-    imp = subparsers.add_parser("import", help="convert a torch.save file (weights_only) into a checkpoint")
+    imp = subparsers.add_parser("import", help=COMMANDS["import"][1])
     imp.add_argument("file", help="a .pt/.pth file written by torch.save")
-    imp.add_argument("directory")
+    imp.add_argument("directory", help="the checkpoint directory to write (a run directory: its checkpoints folder)")
     imp.add_argument("--step", type=int, default=None, help="default: its 'step' key, else 0")
     imp.set_defaults(func=_guarded(_run_import))
+
+
+# the folder of a `torchckpt train` run directory that holds its checkpoints (train/run.py's Checkpointer)
+RUN_CHECKPOINTS = "checkpoints"
+
+
+def _has_steps(path: Path) -> bool:
+    return any(parse_step_dir_name(child.name) is not None for child in path.iterdir())
+
+
+def checkpoint_dir(directory: str, *, must_exist: bool = True) -> str:
+    """The checkpoint directory ``directory`` names: itself, or ``directory/checkpoints`` for a run directory of
+    ``torchckpt train`` (which holds no step itself); a local path that does not exist is a ``ValueError`` (the
+    commands' exit code 2) unless ``must_exist`` is False. URLs (``s3://...``) are taken as given.
+
+    Example:
+        >>> import tempfile
+        >>> run = Path(tempfile.mkdtemp()); (run / "checkpoints").mkdir()
+        >>> checkpoint_dir(str(run)) == str(run / "checkpoints")
+        True
+        >>> checkpoint_dir(str(run / "nope"))
+        Traceback (most recent call last):
+        ValueError: .../nope: no such directory; give a run directory (e.g. runs/demo) or its checkpoints folder
+    """
+    if "://" in directory:
+        return directory
+    path = Path(directory)
+    if not path.exists():
+        if must_exist:
+            raise ValueError(f"{directory}: no such directory; give a run directory (e.g. runs/demo) or its "
+                             f"{RUN_CHECKPOINTS} folder")
+        return directory
+    if not path.is_dir():
+        raise ValueError(f"{directory}: not a directory; give a run directory (e.g. runs/demo) or its "
+                         f"{RUN_CHECKPOINTS} folder")
+    inner = path / RUN_CHECKPOINTS
+    if inner.is_dir() and not _has_steps(path):
+        return str(inner)
+    return directory
+
+
+def _runs_below(directory: str) -> list[str]:
+    """Run directories just below ``directory`` (a hint when it holds no checkpoint itself)."""
+    path = Path(directory)
+    if "://" in directory or not path.is_dir():
+        return []
+    return sorted(str(child) for child in path.iterdir() if (child / RUN_CHECKPOINTS).is_dir())
+
+
+def _none_found(directory: str, what: str) -> str:
+    runs = _runs_below(directory)
+    hint = f"; run directories in it: {', '.join(runs[:5])}" if runs else ""
+    return f"{shown(directory)}: {what}{shown(hint)}"
 
 
 def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -124,14 +185,15 @@ def _run_ls(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    infos = list_checkpoints(args.directory, verify="full" if args.full else "fast")
+    directory = checkpoint_dir(args.directory)
+    infos = list_checkpoints(directory, verify="full" if args.full else "fast")
     if not infos:
-        print(f"{shown(args.directory)}: no checkpoints")
+        print(_none_found(directory, "no checkpoints"))
         return 0
     # Every text from the directory is escaped: a metric name or path like "[/x]" or "[blink]" is shown as
     # written, never parsed as rich markup (a crash, or terminal styles injected by whoever wrote the files),
     # and its control characters are shown as escapes (shown), never sent to the terminal.
-    table = Table(title=f"checkpoints in {escape(shown(args.directory))}")
+    table = Table(title=f"checkpoints in {escape(shown(directory))}")
     for column in ("step", "time", "size", "metrics", "valid"):
         table.add_column(column, overflow="fold")
     for info in infos:
@@ -144,9 +206,10 @@ def _run_ls(args: argparse.Namespace) -> int:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    infos = verify_checkpoint(args.directory, step=args.step, verify="fast" if args.fast else "full")
+    directory = checkpoint_dir(args.directory)
+    infos = verify_checkpoint(directory, step=args.step, verify="fast" if args.fast else "full")
     if not infos:
-        print(f"{shown(args.directory)}: no checkpoints to verify")
+        print(_none_found(directory, "no checkpoints to verify"))
         return 1
     for info in infos:
         if info.valid:
@@ -159,12 +222,12 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    step = export_model_weights(args.directory, args.out, step=args.step, item=args.item)
+    step = export_model_weights(checkpoint_dir(args.directory), args.out, step=args.step, item=args.item)
     print(shown(f"exported step {step} ({args.item} weights) to {args.out}"))
     return 0
 
 
 def _run_import(args: argparse.Namespace) -> int:
-    step = import_torch_save(args.file, args.directory, step=args.step)
+    step = import_torch_save(args.file, checkpoint_dir(args.directory, must_exist=False), step=args.step)
     print(shown(f"imported {args.file} as step {step} into {args.directory}"))
     return 0

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from torchckpt.cli import positive_int
+from torchckpt.cli import COMMANDS, positive_int
 from torchckpt.train.config import TrainOption, train_options
 
 # How each kind of option reads its value (torchckpt.train.config.TrainOption.kind); "switch" takes none.
@@ -19,6 +19,7 @@ _READERS: dict[str, Callable[[str], Any]] = {"count": positive_int, "int": int, 
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from torchckpt._units import counted
     from torchckpt.state import CheckpointError
     from torchckpt.train import TrainConfig, train
 
@@ -34,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the run
             print(f"torchckpt train: {config.run_dir} | budget {config.budget} | batch {config.batch_size} x "
                   f"{config.seq_len} tokens | {config.steps} steps, {saving} | CPU, "
-                  f"{torch.get_num_threads()} threads", flush=True)
+                  f"{counted(torch.get_num_threads(), 'thread')}", flush=True)
         train(config, say=lambda text: print(text, flush=True))
     except (ValueError, TypeError, FileNotFoundError, ImportError, CheckpointError) as error:
         print(f"torchckpt train: error: {error}", file=sys.stderr)
@@ -53,8 +54,8 @@ def add_option(parser: argparse.ArgumentParser, option: TrainOption) -> None:
         >>> for option in train_options():
         ...     add_option(parser, option)
         >>> args = parser.parse_args(["--steps", "8", "--no-save"])
-        >>> args.steps, args.save, args.budget
-        (8, False, '28%')
+        >>> args.steps, args.save, args.budget  # no --budget: the size's default (TrainConfig)
+        (8, False, 'auto')
     """
     text = option.help.replace("%", "%%")  # argparse formats help with %
     if option.kind == "switch":
@@ -68,7 +69,7 @@ def add_option(parser: argparse.ArgumentParser, option: TrainOption) -> None:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``torchckpt train``."""
     parser = subparsers.add_parser(
-        "train", help="train a GPT on the Python stdlib's source under a memory budget; resumable",
+        "train", help=COMMANDS["train"][1],
         description="Train the built-in GPT (or --model file.py:factory) as a byte-level language model on the "
                     "Python standard library's *.py files. Plans activation checkpointing for --budget, shows "
                     "live progress, saves every --save-every steps and on Ctrl-C/SIGTERM. Running the same "

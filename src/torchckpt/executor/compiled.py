@@ -225,8 +225,9 @@ def _contexts_for_key(key: str) -> tuple[Any, Any]:
     return sac_contexts(policy_by_key(key))
 
 
-@torch.compiler.disable
 def _refuse_positions(policy: Policy) -> None:
+    """Raise outside Dynamo's trace (``checkpoint_while_compiling`` calls it through ``torch.compiler.disable``,
+    applied there rather than as a decorator: decorating imports ``torch._dynamo`` with this module)."""
     raise RuntimeError(
         f"torchckpt: policy {policy.name!r} keeps ops by their position in the eager forward pass (save_ops without "
         "ops=, or combined with one), which torch.compile's traced graph numbers differently. Fix: make the plan "
@@ -246,6 +247,6 @@ def checkpoint_while_compiling(fn: Callable[..., Any], args: tuple, kwargs: dict
     if policy.keeps_nothing:
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
     if policy.by_position and policy.occurrences is None:
-        _refuse_positions(policy)
+        torch.compiler.disable(_refuse_positions)(policy)
     context_fn = functools.partial(_contexts_for_key, policy.key)
     return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)

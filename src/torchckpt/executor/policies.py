@@ -173,7 +173,11 @@ everything_saveable = Policy("everything_saveable", lambda op: True)
 """Keep everything: no recomputation. ``checkpoint`` then runs the function plainly."""
 
 dots_saveable = Policy("dots_saveable", lambda op: op.name in _DOT_OPS)
-"""Keep outputs of matmul-family ops (mm, addmm, bmm, baddbmm, linear, convolution, SDPA)."""
+"""Keep outputs of matmul-family ops (mm, addmm, bmm, baddbmm: every ``nn.Linear`` and ``matmul``; convolution).
+
+Never a fused scaled dot-product attention's output: PyTorch tags those ops random (they take a dropout
+argument), and random ops are never kept. Where attention runs as bmm, softmax, bmm (CPU with dropout), the two
+bmm outputs are kept."""
 
 dots_with_no_batch_dims_saveable = Policy("dots_with_no_batch_dims_saveable",
                                           lambda op: op.name in _NO_BATCH_DOT_OPS)

@@ -67,7 +67,7 @@ class SavedResiduals:
         for r in self.residuals:
             shared = "" if r.nbytes or r.source == "parameter" else " (shares storage)"
             rows.append(f"{r.source + shared:<48} {str(tuple(r.shape)):<22} {str(r.dtype).replace('torch.', ''):<10} "
-                        f"{r.nbytes:>12,}")
+                        f"{format_bytes(r.nbytes):>12}")
         rows.append(f"total {format_bytes(self.total_bytes)} = inputs {format_bytes(self.input_bytes)} "
                     f"+ activations {format_bytes(self.activation_bytes)}")
         return "\n".join(rows)

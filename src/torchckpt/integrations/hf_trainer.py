@@ -38,9 +38,15 @@ import shutil
 import tempfile
 from typing import Any
 
-import transformers
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_callback import ExportableState
+from torchckpt._optional import install_hint
+
+try:
+    import transformers
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import ExportableState
+except ImportError as error:  # the message names the pip command
+    raise ImportError(f"torchckpt.integrations.hf_trainer needs transformers (and accelerate), which did not "
+                      f"import ({error}): {install_hint('transformers')}") from error
 
 from torchckpt.state import Checkpointer, CheckpointerConfig, CheckpointNotFoundError
 

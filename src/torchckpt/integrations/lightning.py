@@ -38,9 +38,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.fabric.utilities.types import _PATH
+
+from torchckpt._optional import install_hint
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+    from lightning.fabric.utilities.types import _PATH
+except ImportError as error:  # the message names the pip command
+    raise ImportError(f"torchckpt.integrations.lightning needs lightning, which did not import ({error}): "
+                      f"{install_hint('lightning')}") from error
 
 from torchckpt.state import (
     Checkpointer,

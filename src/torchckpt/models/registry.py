@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchckpt._optional import require
 from torchckpt._units import check_positive_int
 from torchckpt.models.gpt import gpt
 from torchckpt.models.mlp import mlp
@@ -184,7 +185,7 @@ def _token_batch(vocab: int, shape: BatchShape, seq_len: int | None = None) -> t
 
 def _llama(width: int, layers: int, vocab: int = 1024) -> Callable[[BatchShape], tuple[nn.Module, Inputs]]:
     def make(shape: BatchShape) -> tuple[nn.Module, Inputs]:
-        import transformers
+        transformers = require("transformers", "the hf-* models")
 
         config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=width * 8 // 3,
                                           num_hidden_layers=layers, num_attention_heads=max(2, width // 32),
@@ -197,7 +198,7 @@ def _llama(width: int, layers: int, vocab: int = 1024) -> Callable[[BatchShape],
 
 def _gpt2(width: int, layers: int, vocab: int = 1024) -> Callable[[BatchShape], tuple[nn.Module, Inputs]]:
     def make(shape: BatchShape) -> tuple[nn.Module, Inputs]:
-        import transformers
+        transformers = require("transformers", "the hf-* models")
 
         config = transformers.GPT2Config(vocab_size=vocab, n_embd=width, n_layer=layers, n_head=max(2, width // 32),
                                          n_positions=1024, bos_token_id=0, eos_token_id=0)
@@ -208,7 +209,7 @@ def _gpt2(width: int, layers: int, vocab: int = 1024) -> Callable[[BatchShape], 
 
 def _t5(width: int, layers: int) -> Callable[[BatchShape], tuple[nn.Module, Inputs]]:
     def make(shape: BatchShape) -> tuple[nn.Module, Inputs]:
-        import transformers
+        transformers = require("transformers", "the hf-* models")
 
         config = transformers.T5Config(vocab_size=1024, d_model=width, d_kv=32, d_ff=4 * width, num_layers=layers,
                                        num_heads=max(2, width // 32), pad_token_id=0, eos_token_id=1)
@@ -223,7 +224,7 @@ def _t5(width: int, layers: int) -> Callable[[BatchShape], tuple[nn.Module, Inpu
 
 def _vit(width: int, layers: int) -> Callable[[BatchShape], tuple[nn.Module, Inputs]]:
     def make(shape: BatchShape) -> tuple[nn.Module, Inputs]:
-        import transformers
+        transformers = require("transformers", "the hf-* models")
 
         config = transformers.ViTConfig(hidden_size=width, num_hidden_layers=layers,
                                         num_attention_heads=max(2, width // 64), intermediate_size=4 * width,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchckpt._optional import require
 from torchckpt._units import format_bytes
 from torchckpt.executor.compiled import uncompiled
 from torchckpt.planner import solve as solver
@@ -66,10 +67,7 @@ class Frontier:
 
     def plot(self, path: str | Path) -> Path:
         """Write a PNG: peak memory (x) against extra time (y); torchckpt as a line, references as points."""
-        try:
-            import matplotlib
-        except ImportError:
-            raise ImportError("plots need matplotlib: pip install torchckpt[train]") from None
+        matplotlib = require("matplotlib", "Frontier.plot")
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 

@@ -294,8 +294,8 @@ class Plan:
                      f"predicted extra time {self.predicted_extra_time_s * 1e3:.1f} ms per step")
         reference = self.reference.get("no_checkpointing_peak_bytes")
         if reference:
-            lines.append(f"no checkpointing would peak at {format_bytes(reference)} "
-                         f"({self.predicted_peak_bytes / reference:.0%} of it)")
+            lines.append(f"no checkpointing would peak at {format_bytes(reference)}; this plan's predicted peak is "
+                         f"{self.predicted_peak_bytes / reference:.0%} of that")
         if self.micro_batches > 1:
             lines.append(f"gradient accumulation: {self.micro_batches} micro-batches per optimizer step; the peak "
                          "holds on every one")

@@ -27,9 +27,15 @@ from typing import Any, Literal
 from torchckpt._units import check_positive_int, parse_bytes, parse_percent
 from torchckpt.models import GPT_SIZES
 
-__all__ = ["TrainConfig", "TrainOption", "check_budget", "train_option", "train_options"]
+__all__ = ["DEFAULT_BUDGETS", "TrainConfig", "TrainOption", "check_budget", "train_option", "train_options"]
 
 IDENTITY_FIELDS = ("model", "size", "batch_size", "seq_len", "seed", "lr", "dropout")
+
+# Each built-in size's default --budget: above the floor of its step at the default batch (16 x 256, AdamW)
+# (bench/train_defaults.py measures the floors: bench/results/train_defaults.json, which
+# tests/train/test_default_budgets.py checks these against). mini's 28% is below what checkpointing every
+# block needs (the demo's point); a user's --model gets mini's.
+DEFAULT_BUDGETS: dict[str, str] = {"tiny": "50%", "mini": "28%", "small": "50%", "medium": "50%"}
 
 OptionKind = Literal["count", "int", "float", "text", "switch"]
 
@@ -167,9 +173,9 @@ class TrainConfig:
     """
 
     budget: str | int = train_option(
-        "28%", "peak memory of the whole step: bytes, '300MiB', or a percentage of the peak without "
-               "checkpointing (default 28%; for the built-in mini GPT that is below what checkpointing every block "
-               "needs)")
+        "auto", "peak memory of the whole step: bytes, '300MiB', or a percentage of the peak without "
+              "checkpointing (default auto: the size's, " + ", ".join(f"{k} {v}" for k, v in DEFAULT_BUDGETS.items())
+              + "; for the mini GPT that is below what checkpointing every block needs; with --model 28%)")
     size: str = train_option("mini", "built-in GPT size (default mini)", choices=tuple(GPT_SIZES))
     model: str | None = train_option(
         None, "path/to/file.py:factory: your model instead of the built-in GPT; model(ids, targets) must "
@@ -185,9 +191,13 @@ class TrainConfig:
     threads: int | None = train_option(
         None, "CPU threads (default: PyTorch's choice); resume with the same number for bitwise equal losses",
         count=True)
-    save: bool = train_option(True, "train without saving checkpoints (the run cannot be resumed)")
+    save: bool = train_option(True, "save no checkpoints: the plan and the loss log are still written to --dir, but "
+                                    "the run cannot be resumed (the same command starts again at step 1)")
 
     def __post_init__(self) -> None:
+        if self.budget == "auto":  # the size's default (frozen: set once, here)
+            object.__setattr__(self, "budget", DEFAULT_BUDGETS["mini" if self.model else self.size]
+                               if self.size in DEFAULT_BUDGETS else "28%")
         check_budget(self.budget)
         if self.size not in GPT_SIZES:
             raise ValueError(f"--size {self.size!r}: unknown; choose one of {', '.join(GPT_SIZES)}")
@@ -219,7 +229,7 @@ class TrainConfig:
 
         Example:
             >>> TrainConfig(size="tiny", save=False).argv()[:3]
-            ['--budget=28%', '--size=tiny', '--batch-size=16']
+            ['--budget=50%', '--size=tiny', '--batch-size=16']
             >>> TrainConfig(size="tiny", save=False).argv()[-1]
             '--no-save'
         """

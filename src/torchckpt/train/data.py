@@ -129,7 +129,7 @@ def make_loader(dataset: ByteChunks, batch_size: int, seed: int, rank: int = 0, 
         from torchdata.stateful_dataloader.sampler import RandomSampler, StatefulDistributedSampler
     except ImportError:
         raise ImportError("torchckpt train needs torchdata for a resumable data loader: "
-                          "pip install torchckpt[train] (or pip install torchdata)") from None
+                          "pip install 'torchckpt[train]' (or pip install torchdata)") from None
     if len(dataset) < batch_size:
         raise ValueError(f"--batch-size {batch_size} is more than the {len(dataset)} sequences in the training text; "
                          "use a smaller --batch-size or --seq-len")

@@ -14,6 +14,7 @@ import json
 import uuid
 from collections.abc import Callable, Iterable
 
+from torchckpt._optional import install_hint
 from torchckpt.state.errors import CheckpointError, CheckpointLockedError, CheckpointWriteError
 from torchckpt.state.format.layout import ABANDONED_DIR, LOCK_NAME, MANIFEST_NAME, parse_step_dir_name, step_dir_name
 from torchckpt.state.process.lockfile import describe_holder, holder_record
@@ -32,7 +33,7 @@ class FsspecStorage:
         except ImportError:
             raise CheckpointWriteError(
                 f"{url}: remote checkpoint paths need fsspec, which is not installed. "
-                "Fix: pip install fsspec (plus s3fs/gcsfs for your store)."
+                f"Fix: {install_hint('fsspec')}, plus your store's package (s3fs, gcsfs, ...)."
             ) from None
         self.location = url
         self._fs, self._root = fsspec.core.url_to_fs(url)
