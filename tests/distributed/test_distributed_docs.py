@@ -37,10 +37,11 @@ def _command(line: str) -> list[str]:
     return TORCHRUN + words[1:]
 
 
-@pytest.mark.parametrize("index", [0, pytest.param(1, marks=pytest.mark.slow)], ids=["fsdp2", "ddp"])
+@pytest.mark.parametrize("index", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)],
+                         ids=["fsdp2", "ddp", "torchtitan-order"])
 def test_recipe_runs_on_two_processes(index: int, tmp_path: Path) -> None:
     recipes = _blocks("python")
-    assert len(recipes) == 2
+    assert len(recipes) == 3
     script = tmp_path / "recipe.py"
     script.write_text(recipes[index])
     done = subprocess.run(TORCHRUN + ["--standalone", "--nproc-per-node=2", str(script)], check=False,
@@ -48,6 +49,8 @@ def test_recipe_runs_on_two_processes(index: int, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for rank in (0, 1):
         assert re.search(rf"rank {rank}: \d+ <= \d+ bytes: True, gradients equal: True", done.stdout), done.stdout
+        if index == 2:  # as the page says: gpt tiny's plan made unsharded is over its budget on 2 processes
+            assert f"rank {rank}: the plan made unsharded is within its budget here: False" in done.stdout
 
 
 @pytest.mark.slow  # the same job on two processes: tests/train/test_train_distributed.py
