@@ -257,7 +257,8 @@ def train(config: TrainConfig, *, say: Callable[[str], None] = print, display: D
     record = _check_identity(run_dir, config)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    ranks = join_process_group()  # train/distributed.py's [the main job runs on torchrun]
+    # train/distributed.py's [the main job runs on torchrun]
+    ranks = join_process_group(timeout_s=config.rendezvous_timeout)
     if ranks is not None and not ranks.leader:  # train/distributed.py's [rank 0 speaks for the run]
         say, display, live = (lambda text: None), QuietDisplay(), False
     checkpointer: Checkpointer | NotSaved = (
