@@ -120,3 +120,26 @@ def test_a_rank_killed_mid_training_is_named_with_its_signal(tmp_path: Path) -> 
     assert job.returncode != 0
     assert "torchckpt train --nproc 2: rank 1 was killed by signal 9 (SIGKILL) first" in err, err[-3000:]
     assert "PlanLayoutWarning" not in err  # planned under FSDP2, for FSDP2
+
+
+def hanging_exit_worker(rank: int, port: int, out_dir: str, world: int) -> None:
+    """Join a 2-rank gloo group as the job does, then leave it with a shutdown that hangs (as DDP's can)."""
+    import torch.distributed as dist
+
+    from torchckpt.train.distributed import join_process_group
+
+    ranks = join_process_group({"WORLD_SIZE": str(world), "RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                                "MASTER_PORT": str(port)}, timeout_s=60)
+    assert ranks is not None
+    dist.destroy_process_group = lambda *args, **kwargs: time.sleep(3600)  # the hang
+    Path(out_dir, f"{rank}.left").write_text("")
+    ranks.leave(timeout_s=1.0)
+    raise AssertionError("leave() returned although the shutdown hung")  # pragma: no cover
+
+
+def test_a_shutdown_that_hangs_does_not_keep_the_job_alive(tmp_path: Path) -> None:
+    from torchckpt._testing import spawn_processes
+
+    codes = spawn_processes(hanging_exit_worker, 2, out_dir=str(tmp_path), deadline_s=90)
+    assert codes == [0, 0]  # None would be a process still running at the deadline: killed, and the test fails
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.left", "1.left"]

@@ -11,7 +11,10 @@ Rules kept here (named in ``docs/design.md``):
    checkpoints (state/sharded/): every rank takes part in each save and restore. Run again on the
    same number of processes, the job resumes bit-exactly; on another number, the model and AdamW are
    resharded exactly and the data loader starts its epoch again (rank_local.py's [the rank-local rule]).
-3. **[rank 0 speaks for the run]** Every rank trains; only rank 0 prints, writes the run directory
+3. **[the job exits in bounded time]** After its last step, a process of the job destroys its process group
+   within ``EXIT_TIMEOUT_S`` seconds or exits without waiting further (``Ranks.leave``): a DDP or FSDP job can
+   hang in PyTorch's shutdown, and a finished job must not.
+4. **[rank 0 speaks for the run]** Every rank trains; only rank 0 prints, writes the run directory
    (``run.json``, ``plan.json``, ``losses.jsonl``, ``summary.json``) and reports figures over all
    ranks: the loss is the mean of the ranks' losses, the peak the largest rank's.
 """
@@ -23,6 +26,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
@@ -33,7 +37,10 @@ from torch import nn
 from torchckpt.planner.distributed import collective_device
 from torchckpt.train.config import TrainConfig
 
-__all__ = ["Ranks", "failed_ranks", "join_process_group", "launch", "shard_model"]
+__all__ = ["EXIT_TIMEOUT_S", "Ranks", "failed_ranks", "join_process_group", "launch", "shard_model"]
+
+
+EXIT_TIMEOUT_S = 30.0  # [the job exits in bounded time]
 
 
 @dataclass(frozen=True)
@@ -65,12 +72,23 @@ class Ranks:
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
         return int(top.item())
 
-    def leave(self) -> None:
-        """Destroy the process group if this job created it."""
+    def leave(self, timeout_s: float = EXIT_TIMEOUT_S, failed: bool = False) -> None:
+        """Destroy the process group if this job created it, within ``timeout_s`` ([the job exits in bounded
+        time]): a shutdown that hangs (a known PyTorch behaviour at exit) is left behind and the process ends at
+        once, with exit status 1 if ``failed`` else 0, after saying so on stderr."""
         import torch.distributed as dist
 
-        if self.owned and dist.is_initialized():
-            dist.destroy_process_group()
+        if not (self.owned and dist.is_initialized()):
+            return
+        shutdown = threading.Thread(target=dist.destroy_process_group, name="torchckpt-leave", daemon=True)
+        shutdown.start()
+        shutdown.join(timeout_s)
+        if shutdown.is_alive():
+            print(f"torchckpt train: rank {self.rank}: the process group did not shut down within {timeout_s:g} s "
+                  "(a known PyTorch hang at exit); the job's work is done and saved, so this process exits now",
+                  file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1 if failed else 0)
 
 
 def join_process_group(environ: dict[str, str] | None = None, timeout_s: float = 300.0) -> Ranks | None:
@@ -108,7 +126,8 @@ def join_process_group(environ: dict[str, str] | None = None, timeout_s: float =
 
 
 def _rendezvous(env: Mapping[str, str], rank: int, world: int, timeout_s: float) -> Any:
-    """PyTorch's ``env://`` rendezvous (torchrun's agent store when there is one), bounded by ``timeout_s``."""
+    """PyTorch's rendezvous at ``env``'s MASTER_ADDR:MASTER_PORT (torchrun's agent store when there is one),
+    bounded by ``timeout_s``."""
     import datetime
 
     import torch.distributed as dist
@@ -116,7 +135,7 @@ def _rendezvous(env: Mapping[str, str], rank: int, world: int, timeout_s: float)
 
     where = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
     try:
-        store, _, _ = next(rendezvous("env://", rank, world, timeout=datetime.timedelta(seconds=timeout_s)))
+        store, _, _ = next(rendezvous(f"tcp://{where}", rank, world, timeout=datetime.timedelta(seconds=timeout_s)))
     except dist.DistStoreError as error:  # rank 0, waiting for the others
         joined = re.search(r"(\d+)/(\d+) clients joined", str(error))
         count = f"{joined.group(1)} of the {world}" if joined else f"not all {world}"

@@ -24,6 +24,7 @@ import functools
 import json
 import math
 import random
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -290,8 +291,8 @@ def train(config: TrainConfig, *, say: Callable[[str], None] = print, display: D
                     ranks)
     finally:
         checkpointer.close()
-        if ranks is not None:
-            ranks.leave()
+        if ranks is not None:  # train/distributed.py's [the job exits in bounded time]
+            ranks.leave(failed=sys.exc_info()[0] is not None)
 
 
 def _finished_summary(config: TrainConfig, checkpointer: Checkpointer | NotSaved) -> dict[str, Any] | None:
