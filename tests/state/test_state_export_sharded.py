@@ -57,7 +57,7 @@ def test_two_fsdp2_ranks_export_to_full_tensors_bitwise(fsdp2_step, tmp_path, ca
     assert f"exported step 3 (model weights) to {out}" in capsys.readouterr().out
     _assert_bitwise(safetensors.torch.load_file(out), reference)
     with safetensors.safe_open(out, "pt") as handle:
-        assert handle.metadata() == {"torchckpt_step": "3"}
+        assert handle.metadata() == {"format": "pt", "torchckpt_step": "3"}  # "pt": transformers 4.x needs it
     assert export_model_weights(directory, tmp_path / "again.safetensors", step=3) == 3
     _assert_bitwise(safetensors.torch.load_file(str(tmp_path / "again.safetensors")), reference)
 

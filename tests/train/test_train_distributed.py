@@ -57,4 +57,5 @@ def test_two_processes_save_and_resume_bitwise(tmp_path: Path) -> None:
     one = _train(*TINY, "--steps", "8", "--dir", str(split))  # one process: resharded, the loader restarts
     assert "resumed from" in one.stdout and "step-000000006" in one.stdout
     assert "saved by 2 rank(s) and is restored on 1" in one.stderr and "item 'loader' not restored" in one.stderr
+    assert "(model, AdamW, LR schedule; not restored: data position, RNG, as warned above)" in one.stdout
     assert sorted(read_losses(split)) == list(range(1, 9))

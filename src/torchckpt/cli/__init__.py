@@ -22,7 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ls": ("torchckpt.cli.state_commands", "list the checkpoints of a run directory"),
     "verify": ("torchckpt.cli.state_commands", "check checkpoints against their manifests (hashes)"),
     "export": ("torchckpt.cli.state_commands", "write a step's model weights to one safetensors file"),
-    "import": ("torchckpt.cli.state_commands", "convert a torch.save file (weights_only) into a checkpoint"),
+    "import": ("torchckpt.cli.state_commands",
+               "convert a torch.save file (weights_only) or a DCP directory into a checkpoint"),
     "bench": ("torchckpt.cli.bench_commands",
               "moved: run `make bench` or `python bench/run.py` from a source checkout"),
 }

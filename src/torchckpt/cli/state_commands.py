@@ -15,6 +15,7 @@ escapes, so whoever wrote the files cannot send the terminal escape sequences.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import sys
@@ -26,7 +27,9 @@ from torchckpt.cli import COMMANDS
 from torchckpt.state import (
     CheckpointError,
     CheckpointInfo,
+    export_dcp,
     export_model_weights,
+    import_dcp,
     import_torch_save,
     list_checkpoints,
     verify_checkpoint,
@@ -60,12 +63,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--step", type=int, default=None, help="default: newest valid step")
     export.add_argument("--out", required=True, help="output .safetensors path")
     export.add_argument("--item", default="model", help="item holding the weights (default: model)")
+    export.add_argument("--dcp", action="store_true",
+                        help="write a torch.distributed.checkpoint directory at --out instead (dcp.load, torchtitan)")
     export.set_defaults(func=_guarded(_run_export))
 
     imp = subparsers.add_parser("import", help=COMMANDS["import"][1])
-    imp.add_argument("file", help="a .pt/.pth file written by torch.save")
+    imp.add_argument("file", help="a .pt/.pth file written by torch.save, or a directory written by "
+                                  "torch.distributed.checkpoint.save (DCP)")
     imp.add_argument("directory", help="the checkpoint directory to write (a run directory: its checkpoints folder)")
     imp.add_argument("--step", type=int, default=None, help="default: its 'step' key, else 0")
+    imp.add_argument("--trust-dcp-metadata", action="store_true",
+                     help="a DCP directory's .metadata is a pickle, read only by unpickling (which can run code): "
+                          "allow it for this directory, if you trust where it came from")
     imp.set_defaults(func=_guarded(_run_import))
 
 
@@ -222,12 +231,19 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    step = export_model_weights(checkpoint_dir(args.directory), args.out, step=args.step, item=args.item)
+    write = export_dcp if args.dcp else export_model_weights
+    step = write(checkpoint_dir(args.directory), args.out, step=args.step, item=args.item)
     print(shown(f"exported step {step} ({args.item} weights) to {args.out}"))
     return 0
 
 
 def _run_import(args: argparse.Namespace) -> int:
-    step = import_torch_save(args.file, checkpoint_dir(args.directory, must_exist=False), step=args.step)
+    directory = checkpoint_dir(args.directory, must_exist=False)
+    if os.path.isdir(args.file) and os.path.isfile(os.path.join(args.file, ".metadata")):  # a DCP directory
+        step, left_out = import_dcp(args.file, directory, step=args.step, trust_pickle=args.trust_dcp_metadata)
+        print(shown(f"imported DCP directory {args.file} (its tensors, as the model) as step {step} into "
+                    f"{directory}" + (f"; left out, not tensors: {', '.join(left_out)}" if left_out else "")))
+        return 0
+    step = import_torch_save(args.file, directory, step=args.step)
     print(shown(f"imported {args.file} as step {step} into {args.directory}"))
     return 0

@@ -21,6 +21,7 @@ from torchckpt.executor.kv_cache import disable_kv_cache
 from torchckpt.executor.loss_head import ChunkedHeadHandle
 from torchckpt.executor.optimizer_in_backward import optimizer_in_backward
 from torchckpt.planner.blocks import block_pieces, positional_form
+from torchckpt.planner.layout import LayoutWatch, fsdp_units_among
 from torchckpt.planner.plan import Plan, PlannedRegion, PlanPiece
 
 __all__ = ["apply_plan", "wrap_region"]
@@ -62,18 +63,20 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
                          "torchckpt.apply(model, plan, optimizer=...)")
     blocks = [uncompiled(model.get_submodule(path)) for path in plan.block_paths]
     wrapped: list[nn.Module] = []
+    watch = LayoutWatch(plan)  # planner/layout.py's [a plan names the layout it was made for]
     for piece in plan.schedule:
         if isinstance(piece, PlannedRegion):
-            wrap_region(piece, blocks, wrapped)
+            wrap_region(piece, blocks, wrapped, watch)
         elif piece.recomputes:
             block = blocks[piece.block]
             policy = save_ops(piece.keep, name=f"plan:{plan.block_paths[piece.block]}",
                               ops=piece.keep_ops if piece.keep_ops or not piece.keep else None)
             if piece.slices > 1:  # executor/batch_slices.py's [a slice is a checkpoint of its own]
-                wrap_forward(block, functools.partial(sliced_checkpoint, block.forward, slices=piece.slices,
-                                                      batch=piece.slice_batch, policy=policy), wrapped)
+                call = functools.partial(sliced_checkpoint, block.forward, slices=piece.slices,
+                                         batch=piece.slice_batch, policy=policy)
             else:
-                wrap_forward(block, functools.partial(checkpoint, block.forward, policy=policy), wrapped)
+                call = functools.partial(checkpoint, block.forward, policy=policy)
+            wrap_forward(block, call, wrapped)
             if piece.nested:  # costs.py's [pieces nested inside a block]
                 for child in block_pieces(block):
                     wrap_forward(child, functools.partial(checkpoint, child.forward), wrapped)
@@ -85,13 +88,15 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
     # The profiler measured every step, the plain one too, with the cache off: so is the model under any plan,
     # even one that recomputes nothing, or its peak would differ from the prediction.
     cache_configs = disable_kv_cache([model], while_="a plan is applied", undo="handle.remove()")
-    undo = []
+    # planner/layout.py's [a plan names the layout it was made for]: seen from the model's own call, outside
+    # compiled blocks
+    undo = [model.register_forward_pre_hook(lambda _module, _args: watch.see(blocks)).remove]
     if plan.optimizer_in_backward:
         assert optimizer is not None
         try:
             undo.append(optimizer_in_backward(optimizer).remove)
         except (TypeError, ValueError):
-            CheckpointHandle(wrapped, cache_configs).remove()
+            CheckpointHandle(wrapped, cache_configs, undo).remove()
             raise
     return CheckpointHandle(wrapped, cache_configs, undo)
 
@@ -116,11 +121,14 @@ def _run_pieces(pieces: Sequence[PlanPiece], forwards: list[Callable[..., Any]],
     return output
 
 
-def wrap_region(piece: PlannedRegion, blocks: list[nn.Module], wrapped: list[nn.Module]) -> None:
+def wrap_region(piece: PlannedRegion, blocks: list[nn.Module], wrapped: list[nn.Module],
+                watch: LayoutWatch | None = None) -> None:
     """Wrap ``blocks[piece.start:piece.stop]`` so that they run as one checkpointed region.
 
     Block ``start`` runs the whole region; the others pass their input through. Wrapped modules are
-    appended to ``wrapped`` (``CheckpointHandle(wrapped).remove()`` undoes it).
+    appended to ``wrapped`` (``CheckpointHandle(wrapped).remove()`` undoes it). Once any of these blocks is an
+    FSDP2 unit (``fully_shard`` after the plan was applied), each runs in its own call, as its own checkpoint
+    (planner/layout.py's [a region over FSDP2 units runs block by block]), and ``watch`` is told.
 
     Example:
         >>> from torchckpt.planner.plan import PlannedBlock
@@ -139,7 +147,13 @@ def wrap_region(piece: PlannedRegion, blocks: list[nn.Module], wrapped: list[nn.
     # last pass-through block drops them.
     shape_of_output: dict[str, Any] = {}
 
+    region = blocks[start:stop]
+
     def region_forward(*args: Any, **kwargs: Any) -> Any:
+        if fsdp_units_among(region):  # planner/layout.py's [a region over FSDP2 units runs block by block]
+            if watch is not None:
+                watch.see(region)
+            return checkpoint(forwards[start], *args, **kwargs)
         args, kwargs = positional_form(blocks[start], args, kwargs)  # the hidden state, even if passed by keyword
         if not args:
             raise TypeError(f"a checkpointed region starting at block {start} needs the hidden state as the first "
@@ -149,6 +163,8 @@ def wrap_region(piece: PlannedRegion, blocks: list[nn.Module], wrapped: list[nn.
         return output
 
     def pass_through(*args: Any, index: int, **kwargs: Any) -> Any:
+        if fsdp_units_among(region):
+            return checkpoint(forwards[index], *args, **kwargs)
         args, kwargs = positional_form(blocks[index], args, kwargs)
         rest = shape_of_output.pop("rest", None) if index == stop - 1 else shape_of_output.get("rest")
         return args[0] if rest is None else (args[0], *rest)

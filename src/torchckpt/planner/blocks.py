@@ -48,7 +48,7 @@ from torch import nn
 from torchckpt.executor.compiled import is_compiled_module, uncompiled
 
 __all__ = ["block_paths", "block_pieces", "describe_paths", "find_blocks", "other_groupings", "positional_form",
-           "resolve_blocks", "structure_key"]
+           "own_type", "resolve_blocks", "structure_key"]
 
 _FIRST_PARAMETER: dict[type, str | None] = {}  # a block class -> its forward's first parameter, if by-keyword-able
 
@@ -65,7 +65,25 @@ def structure_key(module: nn.Module) -> tuple:
     module = uncompiled(module)  # torch.compile(block) has the block's structure
     params = tuple((name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters(recurse=False))
     children = tuple((name, structure_key(child)) for name, child in module.named_children())
-    return (type(module).__qualname__, params, children)
+    return (own_type(module).__qualname__, params, children)
+
+
+def own_type(module: nn.Module) -> type:
+    """The module's class as written: FSDP2's ``fully_shard`` swaps it for a subclass ``FSDP<name>``, which a plan
+    made before sharding (torchtitan's order) must not take for another model. Its parameters' shapes are the
+    unsharded ones (``DTensor.shape``), so the structure is the same too.
+
+    Example:
+        >>> own_type(nn.Linear(2, 3)).__name__
+        'Linear'
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return type(module)
+    if isinstance(module, FSDPModule):
+        return next((base for base in type(module).__bases__ if not issubclass(base, FSDPModule)), type(module))
+    return type(module)
 
 
 def block_pieces(block: nn.Module) -> list[nn.Module]:

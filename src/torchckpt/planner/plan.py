@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 from torchckpt._units import check_index, format_bytes
 from torchckpt.executor.compiled import uncompiled
 from torchckpt.executor.policies import parse_occurrence
-from torchckpt.planner.blocks import describe_paths, structure_key
+from torchckpt.planner.blocks import describe_paths, own_type, structure_key
 
 __all__ = ["Plan", "PlanMismatchError", "PlanPiece", "PlannedBlock", "PlannedRegion", "fingerprint",
            "iter_blocks"]
@@ -189,7 +189,7 @@ def fingerprint(model: nn.Module, example_inputs: tuple | dict, block_paths: lis
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     digest = hashlib.sha256(repr(structure_key(model)).encode()).hexdigest()[:16]
     inputs = [[list(t.shape), str(t.dtype)] for t in tree_flatten(example_inputs)[0] if isinstance(t, torch.Tensor)]
-    return {"model": type(model).__name__, "structure": digest, "blocks": list(block_paths), "inputs": inputs}
+    return {"model": own_type(model).__name__, "structure": digest, "blocks": list(block_paths), "inputs": inputs}
 
 
 @dataclass(frozen=True, kw_only=True)

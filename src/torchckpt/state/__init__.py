@@ -17,6 +17,7 @@ from the bottom up; a subpackage imports only errors.py and the ones listed befo
 
 from torchckpt.state.checkpointer.checkpointer import Checkpointer
 from torchckpt.state.checkpointer.config import CheckpointerConfig
+from torchckpt.state.checkpointer.dcp_interchange import export_dcp, import_dcp
 from torchckpt.state.checkpointer.interchange import export_model_weights, import_torch_save
 from torchckpt.state.checkpointer.retention import RetentionPolicy
 from torchckpt.state.errors import (
@@ -55,7 +56,9 @@ __all__ = [
     "RetentionPolicy",
     "UnsafeFileError",
     "UnsupportedStateError",
+    "export_dcp",
     "export_model_weights",
+    "import_dcp",
     "import_torch_save",
     "list_checkpoints",
     "load",

@@ -191,6 +191,9 @@ class TrainConfig:
     threads: int | None = train_option(
         None, "CPU threads (default: PyTorch's choice); resume with the same number for bitwise equal losses",
         count=True)
+    rendezvous_timeout: int = train_option(
+        300, "seconds every process waits for the others to join (WORLD_SIZE of them) before it stops, naming "
+             "what is missing (default 300)", count=True)
     save: bool = train_option(True, "save no checkpoints: the plan and the loss log are still written to --dir, but "
                                     "the run cannot be resumed (the same command starts again at step 1)")
 

@@ -11,7 +11,10 @@ Rules kept here (named in ``docs/design.md``):
    checkpoints (state/sharded/): every rank takes part in each save and restore. Run again on the
    same number of processes, the job resumes bit-exactly; on another number, the model and AdamW are
    resharded exactly and the data loader starts its epoch again (rank_local.py's [the rank-local rule]).
-3. **[rank 0 speaks for the run]** Every rank trains; only rank 0 prints, writes the run directory
+3. **[the job exits in bounded time]** After its last step, a process of the job destroys its process group
+   within ``EXIT_TIMEOUT_S`` seconds or exits without waiting further (``Ranks.leave``): a DDP or FSDP job can
+   hang in PyTorch's shutdown, and a finished job must not.
+4. **[rank 0 speaks for the run]** Every rank trains; only rank 0 prints, writes the run directory
    (``run.json``, ``plan.json``, ``losses.jsonl``, ``summary.json``) and reports figures over all
    ranks: the loss is the mean of the ranks' losses, the peak the largest rank's.
 """
@@ -20,11 +23,13 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any
 
 import torch
 from torch import nn
@@ -32,7 +37,10 @@ from torch import nn
 from torchckpt.planner.distributed import collective_device
 from torchckpt.train.config import TrainConfig
 
-__all__ = ["Ranks", "join_process_group", "launch", "shard_model"]
+__all__ = ["EXIT_TIMEOUT_S", "Ranks", "failed_ranks", "join_process_group", "launch", "shard_model"]
+
+
+EXIT_TIMEOUT_S = 30.0  # [the job exits in bounded time]
 
 
 @dataclass(frozen=True)
@@ -64,16 +72,32 @@ class Ranks:
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
         return int(top.item())
 
-    def leave(self) -> None:
-        """Destroy the process group if this job created it."""
+    def leave(self, timeout_s: float = EXIT_TIMEOUT_S, failed: bool = False) -> None:
+        """Destroy the process group if this job created it, within ``timeout_s`` ([the job exits in bounded
+        time]): a shutdown that hangs (a known PyTorch behaviour at exit) is left behind and the process ends at
+        once, with exit status 1 if ``failed`` else 0, after saying so on stderr."""
         import torch.distributed as dist
 
-        if self.owned and dist.is_initialized():
-            dist.destroy_process_group()
+        if not (self.owned and dist.is_initialized()):
+            return
+        shutdown = threading.Thread(target=dist.destroy_process_group, name="torchckpt-leave", daemon=True)
+        shutdown.start()
+        shutdown.join(timeout_s)
+        if shutdown.is_alive():
+            print(f"torchckpt train: rank {self.rank}: the process group did not shut down within {timeout_s:g} s "
+                  "(a known PyTorch hang at exit); the job's work is done and saved, so this process exits now",
+                  file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1 if failed else 0)
 
 
-def join_process_group(environ: dict[str, str] | None = None) -> Ranks | None:
+def join_process_group(environ: dict[str, str] | None = None, timeout_s: float = 300.0) -> Ranks | None:
     """[the main job runs on torchrun]: join the group torchrun's environment describes; None for one process.
+
+    The rendezvous (every one of ``WORLD_SIZE`` processes reaching ``MASTER_ADDR:MASTER_PORT``) waits at most
+    ``timeout_s`` (``--rendezvous-timeout``; PyTorch's own default is 30 minutes), then raises ``ValueError`` (the
+    environment does not match the processes started) saying how many joined, or that rank 0's address could not be
+    reached. Collectives keep PyTorch's timeout.
 
     Example:
         >>> join_process_group({}) is None  # not under torchrun
@@ -96,8 +120,38 @@ def join_process_group(environ: dict[str, str] | None = None) -> Ranks | None:
 
     if dist.is_initialized():
         return Ranks(dist.get_rank(), dist.get_world_size(), owned=False)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    store = _rendezvous(env, rank, world, timeout_s)
+    dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
     return Ranks(rank, world, owned=True)
+
+
+def _rendezvous(env: Mapping[str, str], rank: int, world: int, timeout_s: float) -> Any:
+    """PyTorch's rendezvous at ``env``'s MASTER_ADDR:MASTER_PORT (torchrun's agent store when there is one),
+    bounded by ``timeout_s``."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.rendezvous import rendezvous
+
+    where = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"
+    try:
+        store, _, _ = next(rendezvous(f"tcp://{where}", rank, world, timeout=datetime.timedelta(seconds=timeout_s)))
+    except dist.DistStoreError as error:  # rank 0, waiting for the others
+        joined = re.search(r"(\d+)/(\d+) clients joined", str(error))
+        count = f"{joined.group(1)} of the {world}" if joined else f"not all {world}"
+        raise ValueError(
+            f"rank {rank}: {count} processes of WORLD_SIZE={world} joined at {where} within --rendezvous-timeout "
+            f"{timeout_s:g} s; the others never started, or were told another MASTER_ADDR/MASTER_PORT. Fix: start "
+            f"all {world} processes with the same MASTER_ADDR and MASTER_PORT (torchrun does), or set WORLD_SIZE to "
+            "the number started") from None
+    except dist.DistNetworkError:  # another rank, waiting for rank 0
+        raise ValueError(
+            f"rank {rank}: rank 0 of WORLD_SIZE={world} could not be reached at {where} within --rendezvous-timeout "
+            f"{timeout_s:g} s: it was never started there, or it listens on another MASTER_ADDR/MASTER_PORT. Fix: "
+            f"start all {world} processes with the same MASTER_ADDR and MASTER_PORT (torchrun does), or set "
+            "WORLD_SIZE to the number started") from None
+    store.set_timeout(datetime.timedelta(minutes=30))  # PyTorch's default again, for the job's own waits
+    return store
 
 
 def shard_model(model: nn.Module, blocks: Sequence[nn.Module]) -> nn.Module:
@@ -132,21 +186,59 @@ def launch(nproc: int, config: TrainConfig) -> int:
                "-m", "torchckpt", "train", *argv]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1)
     assert process.stderr is not None
-    dropped = _forward_without_launcher_report(process.stderr, sys.stderr)
+    report: list[str] = []
+    dropped = _forward_without_launcher_report(process.stderr, sys.stderr, report)
     code = process.wait()
     if code != 0:
-        print(f"torchckpt train --nproc {nproc}: a process failed (exit {code}); its error is above"
-              + ("; torchrun's own report was left out" if dropped else ""), file=sys.stderr, flush=True)
+        failed = failed_ranks(report)
+        then = "".join(f"; then rank {rank} {how}" for rank, how in failed[1:])
+        said = f"rank {failed[0][0]} {failed[0][1]} first{then}" if failed else f"a process failed (exit {code})"
+        print(f"torchckpt train --nproc {nproc}: {said}; its error, if it could write one, is above"
+              + ("; the rest of torchrun's own report was left out" if dropped else ""), file=sys.stderr, flush=True)
     return code
+
+
+def failed_ranks(report: Sequence[str]) -> list[tuple[int, str]]:
+    """The ranks torchrun's failure report names, each with how it ended: ``(rank, "was killed by signal 9
+    (SIGKILL)")`` or ``(rank, "exited with code 1")``, in the report's order (the root cause first).
+
+    Example:
+        >>> failed_ranks(["  rank      : 1 (local_rank: 1)", "  exitcode  : -9 (pid: 7)", "  traceback : Signal 9"])
+        [(1, 'was killed by signal 9 (SIGKILL)')]
+    """
+    failed: list[tuple[int, str]] = []
+    rank: int | None = None
+    root = 0  # where the root cause goes: torchrun lists the other failures before it
+    for line in report:
+        if line.startswith("Root Cause"):
+            root = len(failed)
+        found = re.match(r"\s*rank\s*:\s*(\d+)", line)
+        if found:
+            rank = int(found.group(1))
+            continue
+        found = re.match(r"\s*exitcode\s*:\s*(-?\d+)", line)
+        if found and rank is not None:
+            code = int(found.group(1))
+            if code < 0:
+                try:
+                    name = f" ({signal.Signals(-code).name})"
+                except ValueError:
+                    name = ""
+                failed.append((rank, f"was killed by signal {-code}{name}"))
+            else:
+                failed.append((rank, f"exited with code {code}"))
+            rank = None
+    return failed[root:root + 1] + failed[:root] + failed[root + 1:]
 
 
 _LAUNCHER_LOG = re.compile(r"^[WEI]\d{4} \d\d:\d\d:\d\d")  # torchrun's agent logs (glog style)
 
 
-def _forward_without_launcher_report(source: IO[str], sink: IO[str]) -> bool:
+def _forward_without_launcher_report(source: IO[str], sink: IO[str], report: list[str] | None = None) -> bool:
     """Copy ``source`` to ``sink`` line by line, leaving out torchrun's agent: its log lines and, when a
     process fails, its traceback and failure table (the process's own one-line error is already shown).
-    Returns whether anything was left out. A traceback from one of our processes is kept.
+    Returns whether anything was left out. A traceback from one of our processes is kept; the agent's report,
+    from its traceback on, is appended to ``report`` (``failed_ranks`` reads it).
 
     Example:
         >>> import io
@@ -162,7 +254,9 @@ def _forward_without_launcher_report(source: IO[str], sink: IO[str]) -> bool:
         if pending:
             pending.append(line)
             if any("torch/distributed/run.py" in item or "torch/distributed/launcher" in item for item in pending):
-                return _drain(source) or True  # the agent's traceback and table run to the end of the stream
+                if report is not None:
+                    report.extend(pending)
+                return _drain(source, report) or True  # the agent's traceback and table run to the end
             if len(pending) < 8:
                 continue
             sink.writelines(pending)
@@ -179,7 +273,8 @@ def _forward_without_launcher_report(source: IO[str], sink: IO[str]) -> bool:
     return dropped
 
 
-def _drain(source: IO[str]) -> bool:
-    for _ in source:
-        pass
+def _drain(source: IO[str], report: list[str] | None) -> bool:
+    for line in source:
+        if report is not None:
+            report.append(line)
     return True

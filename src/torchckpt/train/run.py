@@ -24,6 +24,7 @@ import functools
 import json
 import math
 import random
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,13 +41,13 @@ from torchckpt.models import BatchShape, ModelSpecError, gpt, load_model
 from torchckpt.planner import Plan, apply_plan, default_loss, plan_without_side_effects, preserved_state
 from torchckpt.planner.blocks import resolve_blocks
 from torchckpt.state import Checkpointer
-from torchckpt.state.format.layout import step_dir_name
 from torchckpt.train.config import TrainConfig
 from torchckpt.train.data import ByteChunks, load_stdlib_corpus, make_loader
 from torchckpt.train.distributed import Ranks, join_process_group, shard_model
 from torchckpt.train.planning import load_or_make_plan
 from torchckpt.train.progress import Display, QuietDisplay, StepReport, make_display
 from torchckpt.train.records import LossLog, NotSaved
+from torchckpt.train.resumed import restore_and_say
 
 __all__ = ["WARMUP_STEPS", "TrainError", "build_model", "format_summary", "train"]
 
@@ -257,7 +258,8 @@ def train(config: TrainConfig, *, say: Callable[[str], None] = print, display: D
     record = _check_identity(run_dir, config)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    ranks = join_process_group()  # train/distributed.py's [the main job runs on torchrun]
+    # train/distributed.py's [the main job runs on torchrun]
+    ranks = join_process_group(timeout_s=config.rendezvous_timeout)
     if ranks is not None and not ranks.leader:  # train/distributed.py's [rank 0 speaks for the run]
         say, display, live = (lambda text: None), QuietDisplay(), False
     checkpointer: Checkpointer | NotSaved = (
@@ -289,8 +291,8 @@ def train(config: TrainConfig, *, say: Callable[[str], None] = print, display: D
                     ranks)
     finally:
         checkpointer.close()
-        if ranks is not None:
-            ranks.leave()
+        if ranks is not None:  # train/distributed.py's [the job exits in bounded time]
+            ranks.leave(failed=sys.exc_info()[0] is not None)
 
 
 def _finished_summary(config: TrainConfig, checkpointer: Checkpointer | NotSaved) -> dict[str, Any] | None:
@@ -361,10 +363,8 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
     progress = {"peak_bytes": 0, "timed_steps": 0, "timed_s": 0.0, "last_loss": float("nan"),
                 "plan_budget_bytes": plan.budget_bytes}
     items = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "progress": progress}
-    step = checkpointer.restore(**items) or 0
+    step = restore_and_say(checkpointer, items, say)
     if step:
-        say(f"resumed from {checkpointer.directory}/{step_dir_name(step)} "
-            "(model, AdamW, LR schedule, data position, RNG)")
         if progress.get("plan_budget_bytes") != plan.budget_bytes:  # a new plan: its peak and times start afresh
             progress.update(peak_bytes=0, timed_steps=0, timed_s=0.0, plan_budget_bytes=plan.budget_bytes)
     if step < config.steps:

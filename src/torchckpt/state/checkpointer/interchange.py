@@ -213,18 +213,33 @@ def import_torch_save(path: str | os.PathLike[str], directory: str | os.PathLike
     items, found_step = split_legacy_items(_load_weights_only(source), source)
     chosen = step if step is not None else (found_step if found_step is not None else 0)
     stored: dict[str, Any] = {name: value if name == "extras" else _StoredState(value) for name, value in items.items()}
+    return import_state_dict(stored, directory, chosen, source)
+
+
+def import_state_dict(items: Mapping[str, Any], directory: str | os.PathLike[str], step: int, source: str) -> int:
+    """Save ``items`` (objects with ``state_dict()``, and ``extras``) read from ``source`` as step ``step`` of
+    ``directory``, without RNG streams; refused when ``directory`` already holds that step or a later one
+    ([an import never rewinds a run]). Returns ``step``.
+
+    Example:
+        >>> import tempfile
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> import_state_dict({"model": torch.nn.Linear(2, 2)}, tmp.name, 4, "a test")
+        4
+        >>> tmp.cleanup()
+    """
     with Checkpointer(directory, capture_rng=False) as checkpointer:
         newest = max((info.step for info in checkpointer.list()), default=None)  # valid or not: all would move
-        if newest is not None and newest >= chosen:  # [an import never rewinds a run]
+        if newest is not None and newest >= step:  # [an import never rewinds a run]
             abandoned = os.path.join(checkpointer.directory, ABANDONED_DIR)
             raise CheckpointExistsError(
-                f"{checkpointer.directory} holds steps up to {newest}; importing {source} as step {chosen} would "
+                f"{checkpointer.directory} holds steps up to {newest}; importing {source} as step {step} would "
                 f"start a new branch and move the steps after it to {abandoned}/. "
                 f"Fix: import into a fresh directory, or pass a step greater than {newest} "
                 "(import_torch_save(step=...) / --step)."
             )
-        checkpointer.save(chosen, **stored)
-    return chosen
+        checkpointer.save(step, **items)
+    return step
 
 
 def export_model_weights(
@@ -255,16 +270,35 @@ def export_model_weights(
         ['bias', 'weight']
         >>> tmp.cleanup()
     """
+    exported, tensors = model_weights(directory, step, item)
+    # "format": "pt" is what transformers 4.x requires of a checkpoint it loads
+    _write_safetensors_atomically(tensors, os.fspath(out), {"format": "pt", "torchckpt_step": str(exported)})
+    return exported
+
+
+def model_weights(directory: str | os.PathLike[str], step: int | None = None,
+                  item: str = "model") -> tuple[int, dict[str, torch.Tensor]]:
+    """The newest valid step (or ``step``) and its module item ``item``'s tensors, whole, under their state_dict keys
+    (a sharded step consolidated: [export consolidates shards]); what every export writes.
+
+    Example:
+        >>> import tempfile
+        >>> from torchckpt.state import Checkpointer
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> with Checkpointer(tmp.name) as ckpt:
+        ...     ckpt.save(3, model=torch.nn.Linear(2, 2))
+        >>> step, tensors = model_weights(tmp.name)
+        >>> step, sorted(tensors)
+        (3, ['bias', 'weight'])
+        >>> tmp.cleanup()
+    """
     storage = open_storage(directory)
     if newest_is_sharded(storage, step):
-        exported, tensors = _newest_sharded_weights(storage, step, item)
-    else:
-        snapshot = read_newest_valid(storage, step=step, verify="full", fallback=True, wanted={item})
-        if snapshot is None:
-            raise CheckpointNotFoundError(f"{storage.location}: no checkpoint to export")
-        exported, tensors = snapshot.step, _snapshot_weights(storage, snapshot, item)
-    _write_safetensors_atomically(tensors, os.fspath(out), {"torchckpt_step": str(exported)})
-    return exported
+        return _newest_sharded_weights(storage, step, item)
+    snapshot = read_newest_valid(storage, step=step, verify="full", fallback=True, wanted={item})
+    if snapshot is None:
+        raise CheckpointNotFoundError(f"{storage.location}: no checkpoint to export")
+    return snapshot.step, _snapshot_weights(storage, snapshot, item)
 
 
 def _snapshot_weights(storage: Storage, snapshot: Snapshot, item: str) -> dict[str, torch.Tensor]:

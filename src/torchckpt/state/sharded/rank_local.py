@@ -26,7 +26,19 @@ from torchckpt.state.sharded.step import ShardedStep
 
 
 class ElasticResumeWarning(UserWarning):
-    """A sharded step restored on a different world size: some rank-local state was not restored."""
+    """A sharded step restored on a different world size: some rank-local state was not restored.
+
+    ``not_restored``: the names of the items left as they were; ``rng_restored``: whether the RNG streams were.
+
+    Example:
+        >>> ElasticResumeWarning("saved by 2, restored on 1", not_restored=("loader",)).not_restored
+        ('loader',)
+    """
+
+    def __init__(self, message: str, not_restored: tuple[str, ...] = (), rng_restored: bool = True) -> None:
+        super().__init__(message)
+        self.not_restored = tuple(not_restored)
+        self.rng_restored = rng_restored
 
 
 def prepare_rank_local(step: ShardedStep, rank: int, world: int, items: Mapping[str, Any],
@@ -52,6 +64,7 @@ def prepare_rank_local(step: ShardedStep, rank: int, world: int, items: Mapping[
             "are per rank and are not carried across a world-size change. Fix: pass rng=None (or False).")
     chosen = dict(items)
     notes = []
+    rng_dropped = False
     if not same_world:
         for name in list(chosen):
             meta = local_meta[name]
@@ -62,14 +75,17 @@ def prepare_rank_local(step: ShardedStep, rank: int, world: int, items: Mapping[
                 del chosen[name]
         if rng is not False and snapshot.rng is not None:
             notes.append("RNG streams not restored (each rank keeps its own)")
+            rng_dropped = True
     streams = rng is not False and same_world and snapshot.rng is not None
 
     def apply() -> None:
         apply_snapshot(snapshot, chosen, streams, path_of(STATE_NAME))
         if notes and rank == 0:
-            warnings.warn(
+            warnings.warn(ElasticResumeWarning(
                 f"{step.storage.path_of(step.entry)} was saved by {saved_world} rank(s) and is restored on {world}: "
                 "models and optimizers are resharded exactly; rank-local state follows the rule in docs/state.md "
-                "(\"What changes with world size\"): " + "; ".join(notes) + ".", ElasticResumeWarning, stacklevel=4)
+                "(\"What changes with world size\"): " + "; ".join(notes) + ".",
+                not_restored=tuple(name for name in items if name not in chosen), rng_restored=not rng_dropped),
+                stacklevel=4)
 
     return apply

@@ -132,19 +132,27 @@ def start_together(ranks: RankGroup | None, step: object, prepare: Callable[[], 
     if ranks is None or ranks.world_size == 1:
         return prepare()
     number = step if type(step) is int else -1
+    prefix = ranks.next_prefix(f"start-{number}")
     try:
         result, problem = prepare(), None
     except BaseException as error:  # reported to the others first, then raised
         result, problem = None, error
-    failed, highest, lowest = ranks.agree_all([int(problem is not None), number, -number], f"agree on step {step}")
+        ranks.publish(f"{prefix}/error/{ranks.rank}", {"error": f"{type(error).__name__}: {error}"[:2000]})
+    flags = [0] * ranks.world_size
+    flags[ranks.rank] = int(problem is not None)
+    *flags, highest, lowest = ranks.agree_all([*flags, number, -number], f"agree on step {step}")
     if problem is not None:
         raise problem
     if highest != -lowest:
         raise CheckpointError(f"the ranks passed different steps to save (from {-lowest} to {highest}); every "
                               "rank must save the same step. Nothing was saved.")
-    if failed:
-        raise CheckpointWriteError(f"step {step} was not saved: another rank could not start it (its error is in "
-                                   "its log); nothing was written.")
+    failed = [rank for rank, flag in enumerate(flags) if flag]
+    if failed:  # each failing rank's own error, published before the vote
+        deadline = time.monotonic() + ranks.timeout_s
+        said = "; ".join(f"rank {rank}: {ranks.wait_one(f'{prefix}/error/{rank}', 'say why', deadline, rank)['error']}"
+                         for rank in failed)
+        raise CheckpointWriteError(f"step {step} was not saved: {'a rank' if len(failed) == 1 else 'ranks'} could "
+                                   f"not start it ({said}); nothing was written.")
     return result  # type: ignore[return-value]
 
 
