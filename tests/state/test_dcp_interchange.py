@@ -14,7 +14,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchckpt.cli.main import main
-from torchckpt.state import Checkpointer, UnsafeFileError, export_dcp, export_model_weights, import_dcp
+from torchckpt.state import (
+    Checkpointer,
+    CheckpointNotFoundError,
+    UnsafeFileError,
+    export_dcp,
+    export_model_weights,
+    import_dcp,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -64,6 +71,19 @@ def test_a_dcp_directory_is_imported_only_when_trusted(tmp_path: Path, capsys: p
     with Checkpointer(tmp_path / "run") as ckpt:
         assert ckpt.restore(model=fresh) == 3
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+
+def test_restoring_from_a_dcp_directory_names_the_import_and_touches_nothing(tmp_path: Path) -> None:
+    source = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": _model().state_dict()}, checkpoint_id=str(source), no_dist=True)
+    before = sorted((p.name, p.stat().st_size) for p in source.iterdir())
+    with pytest.raises(CheckpointNotFoundError, match=r"a torch.distributed.checkpoint \(DCP\) directory.*"
+                                                      r"--trust-dcp-metadata.*import_dcp"):
+        with Checkpointer(source) as ckpt:
+            ckpt.restore(model=_model())
+    assert sorted((p.name, p.stat().st_size) for p in source.iterdir()) == before
 
 
 def test_cli_exports_dcp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

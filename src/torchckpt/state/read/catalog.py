@@ -171,6 +171,22 @@ def check_step_free(storage: Storage, step: int, verify: VerifyMode) -> None:
         )
 
 
+def refuse_foreign_checkpoint(storage: Storage) -> None:
+    """Raise :class:`CheckpointNotFoundError` if the directory holds a PyTorch Distributed Checkpoint (DCP) rather
+    than torchckpt steps: a restore would find nothing and a run would start over beside the user's weights.
+
+    Example:
+        >>> refuse_foreign_checkpoint(open_storage("/nonexistent"))
+    """
+    location = str(storage.location)
+    if "://" not in location and os.path.isfile(os.path.join(location, ".metadata")):
+        raise CheckpointNotFoundError(
+            f"{location} is a torch.distributed.checkpoint (DCP) directory, not a torchckpt one: nothing was read "
+            "or written. Fix: import it first, if you trust where it came from (its .metadata is a pickle): "
+            f"`torchckpt import {location} NEW_DIR --trust-dcp-metadata` or "
+            "torchckpt.state.import_dcp(path, new_dir, trust_pickle=True), then restore from NEW_DIR")
+
+
 def refuse_newer_format(storage: Storage) -> None:
     """Raise :class:`CheckpointNewerFormatError` if a step here was written by a newer torchckpt: a writer of
     this version would rewind past it (or abandon it, move it aside); it reads only the manifests and changes
@@ -179,6 +195,7 @@ def refuse_newer_format(storage: Storage) -> None:
     Example:
         >>> refuse_newer_format(open_storage("/nonexistent"))
     """
+    refuse_foreign_checkpoint(storage)  # nor in another library's checkpoint directory
     try:
         steps = sorted(storage.step_entries(), reverse=True)
     except OSError:

@@ -30,7 +30,7 @@ from torchckpt.state.errors import (
     warn_fallback,
 )
 from torchckpt.state.format.snapshot import Snapshot
-from torchckpt.state.read.catalog import step_numbers
+from torchckpt.state.read.catalog import refuse_foreign_checkpoint, step_numbers
 from torchckpt.state.read.step import StepGoneError, load_step, read_manifest
 from torchckpt.state.storage.base import Storage
 
@@ -111,6 +111,7 @@ def read_newest_valid(
         raise CheckpointCorruptError(
             f"{storage.location}: no valid checkpoint among {len(skipped)} step(s): " + " | ".join(skipped)
         )
+    refuse_foreign_checkpoint(storage)
     return None
 
 
