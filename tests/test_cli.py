@@ -55,14 +55,18 @@ def test_plan_and_frontier_commands(tmp_path) -> None:
     assert progress[0] == "torchckpt plan: gpt-tiny: starting" and progress[-1] == "torchckpt plan: gpt-tiny: done"
     assert any("profiling step 1: 2 blocks" in line for line in progress)
     assert "torchckpt plan: gpt-tiny: solving" in progress
+    result = _torchckpt("plan", "--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "32", "--budget", "1000")
+    assert result.returncode == 2 and "smallest feasible peak" in result.stderr
+
+
+@pytest.mark.slow  # 20 s; the fast tier runs `plan` above and the frontier in-process (tests/planner)
+def test_frontier_command_and_a_unet_plan(tmp_path) -> None:
     result = _torchckpt("plan", "--model", "unet-tiny", "--batch-size", "2", "--image-size", "16", "--budget", "80%")
     assert result.returncode == 0 and "predicted peak" in result.stdout, result.stderr
     result = _torchckpt("frontier", "--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "32", "--points", "3",
                         "--plot", str(tmp_path / "front.png"))
     assert result.returncode == 0, result.stderr
     assert "checkpoint every block" in result.stdout and (tmp_path / "front.png").stat().st_size > 0
-    result = _torchckpt("plan", "--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "32", "--budget", "1000")
-    assert result.returncode == 2 and "smallest feasible peak" in result.stderr
 
 
 def _exit_code(argv: list[str]) -> int:

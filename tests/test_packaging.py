@@ -42,7 +42,9 @@ def test_metadata_is_complete_and_the_package_is_typed() -> None:
 
 
 def _fresh_import_without(monkeypatch: pytest.MonkeyPatch, blocked: str, module: str) -> ImportError:
-    monkeypatch.setitem(sys.modules, blocked, None)  # `import blocked` raises ImportError
+    for name in [name for name in sys.modules if name.startswith(blocked + ".")] + [blocked]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import blocked(.anything)` raises ImportError, even when an
+        # earlier test in this process imported its submodules (which `from blocked.sub import x` finds first)
     monkeypatch.delitem(sys.modules, module, raising=False)
     with pytest.raises(ImportError) as error:
         importlib.import_module(module)

@@ -12,6 +12,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "below_every_block.py"
 
 
+@pytest.mark.slow  # 19 s; tests/bench/test_bench_quick.py runs the harness fast
 def test_writes_floors_a_verified_plan_and_timings(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("transformers")
     spec = importlib.util.spec_from_file_location("bench_below_every_block", SCRIPT)

@@ -11,7 +11,8 @@ import pytest
 from .sharded_workers import outside_worker
 
 
-@pytest.mark.parametrize("kind", [pytest.param("peft-gpt2", marks=pytest.mark.slow), "bert"])
+@pytest.mark.parametrize("kind", [pytest.param("peft-gpt2", marks=pytest.mark.slow),
+                                  pytest.param("bert", marks=pytest.mark.slow)])  # 32 s; test_sharded_state.py is fast
 def test_an_outside_model_saved_by_fsdp2_restores_bitwise(spawn_ranks, tmp_path: Path, kind: str) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("peft")

@@ -55,6 +55,7 @@ def test_reshards_between_world_sizes_and_engines(spawn_ranks, tmp_path: Path, s
     _check_bitwise(results[0])
 
 
+@pytest.mark.slow  # 21 s; elastic resume warnings are checked fast in tests/train/test_resumed.py
 def test_rank_local_items_that_differed_are_not_restored_on_another_world_size(spawn_ranks, tmp_path: Path) -> None:
     directory = str(tmp_path / "ckpt")
     spawn_ranks(save_worker, 2, "fsdp2", directory, {"per_rank_extras": True})

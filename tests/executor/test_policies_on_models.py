@@ -57,6 +57,7 @@ def test_gradients_bitwise_equal(model_name: str, policy_name: str) -> None:
         assert torch.equal(a, b), f"{name} differs under {policy_name}"
 
 
+@pytest.mark.slow  # 20 s; every-block peaks are measured fast in tests/planner
 def test_recompute_all_blocks_uses_under_a_quarter_of_the_activation_memory() -> None:
     """gpt('small'), batch 8 x 256. Gradients are allocated before the measured step, so the part of the
     peak above the baseline is exactly activations plus transients."""

@@ -221,6 +221,7 @@ def test_without_slices_the_floor_names_them_and_nothing_changes(tiny: tuple) ->
         costs.plan(1)
 
 
+@pytest.mark.slow  # 48 s loaded; test_the_floor_falls_and_a_plan_there_keeps_its_budget is fast
 def test_every_schedule_mixing_sliced_checkpointed_and_plain_blocks_is_predicted_from_above(tiny: tuple) -> None:
     """Sliced blocks are measured all sliced at once; each mix with plain and keep-nothing neighbours must still be
     predicted at or above its measured peak (a budget is a promise), and within 1% of it."""

@@ -51,7 +51,7 @@ def test_plan_round_trips_and_reports_decisions(tmp_path) -> None:  # noqa: ANN0
     decisions = [row["decision"] for row in plan.decisions()]
     assert decisions == ["keep all", "keep all", "recompute, keep 2 ops", "keep all"]
     assert plan.decisions()[0]["region"] == (0, 2)
-    assert "predicted peak" in str(plan) and "45% of it" in str(plan)
+    assert "predicted peak" in str(plan) and "this plan's predicted peak is 45% of that" in str(plan)
 
 
 def test_plan_is_refused_on_another_model_or_input_shape(tmp_path) -> None:  # noqa: ANN001

@@ -71,7 +71,8 @@ def _unet() -> tuple[torch.nn.Module, tuple]:
 @pytest.mark.parametrize("build", [pytest.param(_gpt_small, marks=pytest.mark.slow),
                                    pytest.param(_unet, marks=pytest.mark.slow), _llama,
                                    pytest.param(_gpt2, marks=pytest.mark.slow),
-                                   pytest.param(_bert, marks=pytest.mark.slow), _t5],
+                                   pytest.param(_bert, marks=pytest.mark.slow),
+                                   pytest.param(_t5, marks=pytest.mark.slow)],
                          ids=["gpt-small", "unet", "hf-llama", "hf-gpt2", "hf-bert", "hf-t5"])
 def test_eight_budgets_fit_predictions_hold_and_gradients_are_exact(build) -> None:  # noqa: ANN001
     torch.manual_seed(0)
@@ -94,7 +95,8 @@ def test_eight_budgets_fit_predictions_hold_and_gradients_are_exact(build) -> No
     assert statistics.median(errors) <= 0.05 and max(errors) <= 0.10, errors
 
 
-@pytest.mark.parametrize(("size", "batch_size"), [("mini", 8), pytest.param("small", 16, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("size", "batch_size"), [pytest.param("mini", 8, marks=pytest.mark.slow),  # 25 s
+                                                  pytest.param("small", 16, marks=pytest.mark.slow)])
 def test_frontier_nests_below_checkpointing_every_block(size: str, batch_size: int) -> None:
     """Nesting can only help once the inputs the blocks hold outweigh the parameter gradients that are
     alive when block 0 runs backward (batch x tokens > 12 x width): 8 x 384 tokens at width 128 (mini),

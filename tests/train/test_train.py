@@ -123,6 +123,7 @@ def test_in_process_run_and_option_mismatch(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # 40 s; the fast tier holds the defaults to the measured floors (test_default_budgets.py)
 def test_the_default_budget_is_below_checkpointing_every_block_and_the_run_fits_it(tmp_path: Path) -> None:
     """`make demo`'s defaults (gpt mini, 16 x 256, 28%): a budget torch.utils.checkpoint on every block cannot
     meet, which the plan meets, and the report says both (one step; the demo runs 100)."""

@@ -30,8 +30,10 @@ def _train(*args: str) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow  # 76 s; the fast tier checks its parts: sharded resumes bitwise (tests/distributed), FSDP2 plans
+# bitwise (test_plans_distributed.py), the --nproc launcher (test_rendezvous*.py), one-process resumes (test_train.py)
 def test_two_processes_stop_and_resume_under_a_plan_bitwise(tmp_path: Path) -> None:
-    """The fast tier's case: 2 steps, stopped, resumed to 4 under a plan, equal to an unplanned run of 4."""
+    """2 steps, stopped, resumed to 4 under a plan, equal to an unplanned run of 4."""
     whole, split = tmp_path / "whole", tmp_path / "split"
     _train("--nproc", "2", *TINY, "--steps", "4", "--dir", str(whole))
     _train("--nproc", "2", *TINY, "--budget", "75%", "--steps", "2", "--dir", str(split))
