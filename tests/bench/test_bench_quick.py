@@ -26,6 +26,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, subproc
     return json.loads((out / "quick.json").read_text()), out, result
 
 
+@pytest.mark.slow  # the quick benchmark (45 s); the harness's parts are tested fast in tests/bench
 def test_files_are_written(quick: tuple[dict, Path, subprocess.CompletedProcess]) -> None:
     results, out, _ = quick
     assert [m["name"] for m in results["models"]] == list(QUICK_MODELS)
@@ -38,6 +39,7 @@ def test_files_are_written(quick: tuple[dict, Path, subprocess.CompletedProcess]
         assert f"### {model['name']}" in report
 
 
+@pytest.mark.slow  # the quick benchmark (45 s); the harness's parts are tested fast in tests/bench
 def test_every_method_is_measured_or_explained(quick: tuple[dict, Path, subprocess.CompletedProcess]) -> None:
     results, _, _ = quick
     for model in results["models"]:
@@ -59,6 +61,7 @@ def test_every_method_is_measured_or_explained(quick: tuple[dict, Path, subproce
     assert chain == {"gpt-tiny": "ok", "hf-llama-tiny": "n/a"}
 
 
+@pytest.mark.slow  # the quick benchmark (45 s); the harness's parts are tested fast in tests/bench
 def test_torchckpt_runs_fit_their_budgets_with_exact_gradients(
         quick: tuple[dict, Path, subprocess.CompletedProcess]) -> None:
     results, _, _ = quick
@@ -84,6 +87,7 @@ def test_torchckpt_runs_fit_their_budgets_with_exact_gradients(
         assert all(run["equal"] for run in model["runs"] if run["status"] == "ok"), model["name"]
 
 
+@pytest.mark.slow  # the quick benchmark (45 s); the harness's parts are tested fast in tests/bench
 def test_targets_are_evaluated_from_the_numbers(quick: tuple[dict, Path, subprocess.CompletedProcess]) -> None:
     results, _, _ = quick
     targets = evaluate_targets(results)
@@ -123,6 +127,7 @@ def test_method_spec_is_checked() -> None:
         MethodSpec(kind="torchckpt", label="t")
 
 
+@pytest.mark.slow  # the quick benchmark (45 s); the harness's parts are tested fast in tests/bench
 def test_reports_can_be_rewritten_from_the_json(quick: tuple[dict, Path, subprocess.CompletedProcess],
                                                 tmp_path: Path) -> None:
     results, out, _ = quick

@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 22 s; the CUDA check script's dry run
 def test_the_dry_run_passes_every_section(tmp_path: Path) -> None:
     env = {**os.environ, "PY": sys.executable}
     done = subprocess.run(["bash", str(ROOT / "bench" / "cuda_check.sh"), "--device", "cpu", "--quick",

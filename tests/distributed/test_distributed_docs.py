@@ -37,7 +37,8 @@ def _command(line: str) -> list[str]:
     return TORCHRUN + words[1:]
 
 
-@pytest.mark.parametrize("index", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("index", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow),
+                                   pytest.param(2, marks=pytest.mark.slow)],  # 20 s each
                          ids=["fsdp2", "ddp", "torchtitan-order"])
 def test_recipe_runs_on_two_processes(index: int, tmp_path: Path) -> None:
     recipes = _blocks("python")

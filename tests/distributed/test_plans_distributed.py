@@ -34,7 +34,8 @@ def _check(records: list[dict], budgets: int) -> list[dict]:
     return records
 
 
-@pytest.mark.parametrize("budgets", [1, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("budgets", [pytest.param(1, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
+# 45 s; a plan under FSDP2 on 2 ranks runs bitwise in the fast tier (tests/distributed/test_torchtitan_order.py)
 def test_fsdp2_two_ranks_budgets_from_the_floor(budgets: int) -> None:
     records = _check(prove("fsdp", "gpt-mini", 2, budgets), budgets)
     for record in records:

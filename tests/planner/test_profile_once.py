@@ -25,6 +25,7 @@ def _same_plan(a: torchckpt.Plan, b: torchckpt.Plan) -> None:
     assert (a.block_paths, a.fingerprint) == (b.block_paths, b.fingerprint)
 
 
+@pytest.mark.slow  # 21 s; one profile, several plans is checked fast in test_planner.py
 def test_plans_from_one_profile_equal_plan_at_three_budgets() -> None:
     torch.manual_seed(0)
     model = gpt("tiny", dropout=0.0)

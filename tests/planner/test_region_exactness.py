@@ -69,7 +69,7 @@ def _loss(model: nn.Module, batch: tuple) -> torch.Tensor:
         return model(*batch)
 
 
-@pytest.mark.parametrize("mode", ["skips", "hidden"])
+@pytest.mark.parametrize("mode", ["skips", pytest.param("hidden", marks=pytest.mark.slow)])  # 20 s each
 def test_plans_with_block_outputs_read_elsewhere_keep_losses_and_gradients(mode: str) -> None:
     model, batch = _model(mode)
     costs = profile(model, batch)
