@@ -125,7 +125,9 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
             # (deferred logits materialised inside a block): the blocks are measured again without it
             head, rejected = None, entry
             continue
-        if "chunk_tokens" in entry and head is not None and agree_flag(True, group):
+        # every rank takes part in the vote (a rank that skipped it would leave the others waiting in it)
+        if agree_flag("chunk_tokens" in entry and head is not None, group):
+            assert head is not None
             entry["extra_time_s"] = _chunked_step_extra_s(runner, head, costs.step_time_s, entry["extra_time_s"])
         return replace(costs, notes=notes, loss_head=entry)
 
