@@ -1,7 +1,7 @@
 """The executor: checkpoint a function or modules with JAX-style save policies, and inspect what is kept.
 
 Public seam: ``checkpoint``, ``checkpoint_sequential``, ``checkpoint_modules`` (+ ``CheckpointHandle``,
-``wrap_forward``, ``recompute_checks``), the policies (``Policy``, ``OpInfo``, ``tag`` and the named policies) and
+``wrap_forward``, ``recompute_checks``), ``Offloader`` (saved activations moved to host memory), the policies (``Policy``, ``OpInfo``, ``tag`` and the named policies) and
 ``saved_residuals``. The planner lowers its plans onto these; it never reaches inside.
 """
 
@@ -11,6 +11,7 @@ from torchckpt.executor.checkpoint import (
     checkpoint,
     checkpoint_sequential,
 )
+from torchckpt.executor.offload import Offloader
 from torchckpt.executor.plain_regions import recompute_checks
 from torchckpt.executor.policies import (
     POLICIES,
@@ -36,6 +37,7 @@ __all__ = [
     "checkpoint_sequential",
     "checkpoint_modules",
     "recompute_checks",
+    "Offloader",
     "wrap_forward",
     "CheckpointHandle",
     "RematError",

@@ -56,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from torchckpt._host import local_part
+from torchckpt.memory.host_pool import host_peak_bytes, reset_host_peak
 from torchckpt.memory.rss import read_rss_bytes, reset_peak_rss
 
 __all__ = ["MemoryMeter", "MemoryBreakdown", "device_of", "synchronize"]
@@ -256,6 +257,7 @@ class MemoryMeter:
         self._mode: _StorageTracker | None = None
         self._active = False
         self._cuda_offset = 0
+        self._host_peak = 0
 
     # ----------------------------------------------------------------- context manager
     def __enter__(self) -> MemoryMeter:
@@ -263,6 +265,7 @@ class MemoryMeter:
             raise RuntimeError("this MemoryMeter is already active; create a new one to nest meters")
         self._active = True
         reset_peak_rss()
+        reset_host_peak()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -282,6 +285,7 @@ class MemoryMeter:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._host_peak = host_peak_bytes()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._peak = self.peak_bytes
@@ -311,6 +315,12 @@ class MemoryMeter:
         return self._current
 
     @property
+    def host_peak_bytes(self) -> int:
+        """Most bytes of offloaded activations alive in host memory at once since entry (or ``reset_peak()``):
+        host_pool.py's [host bytes are counted apart]; never part of ``peak_bytes``."""
+        return host_peak_bytes() if self._active else self._host_peak
+
+    @property
     def baseline_bytes(self) -> int:
         """Bytes of the storages alive at entry (0 with ``include_existing=False``)."""
         return self._baseline
@@ -336,6 +346,7 @@ class MemoryMeter:
             0
         """
         reset_peak_rss()
+        reset_host_peak()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._peak = self._current

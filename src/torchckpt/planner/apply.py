@@ -16,13 +16,15 @@ from torch import nn
 
 from torchckpt.executor import CheckpointHandle, checkpoint, save_ops, wrap_forward
 from torchckpt.executor.batch_slices import sliced_checkpoint
-from torchckpt.executor.compiled import uncompiled
+from torchckpt.executor.compiled import is_compiled_module, uncompiled
 from torchckpt.executor.kv_cache import disable_kv_cache
 from torchckpt.executor.loss_head import ChunkedHeadHandle
+from torchckpt.executor.offload import Offloader
 from torchckpt.executor.optimizer_in_backward import optimizer_in_backward
+from torchckpt.memory.meter import device_of
 from torchckpt.planner.blocks import block_pieces, positional_form
 from torchckpt.planner.layout import LayoutWatch, fsdp_units_among
-from torchckpt.planner.plan import Plan, PlannedRegion, PlanPiece
+from torchckpt.planner.plan import Plan, PlannedBlock, PlannedRegion, PlanPiece
 
 __all__ = ["apply_plan", "wrap_region"]
 
@@ -41,7 +43,9 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
     chunked loss head (``plan.loss_head``) makes that head return deferred logits whose cross-entropy is
     computed in chunks (``executor/loss_head.py``); a loop that reads them whole gets them, with a warning that
     the plan's peak assumed otherwise. A plan made with ``optimizer_in_backward=True`` runs ``optimizer``'s update
-    per parameter inside the backward pass (``executor/optimizer_in_backward.py``) until ``remove()``.
+    per parameter inside the backward pass (``executor/optimizer_in_backward.py``) until ``remove()``. Its offloaded
+    blocks (``PlannedBlock.offload``) run through one ``executor/offload.py`` ``Offloader`` with the plan's window
+    and host budget; a plan with any is refused on a compiled model (executor/offload.py runs eagerly only).
 
     Example:
         >>> import torchckpt
@@ -55,6 +59,11 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan: expected a torchckpt Plan; got {type(plan).__name__} "
                         "(make one with torchckpt.plan(model, inputs, budget=...) or Plan.load(path))")
+    offloaded = [piece for piece in plan.schedule if isinstance(piece, PlannedBlock) and piece.offload]
+    if offloaded and is_compiled_module(model):
+        raise ValueError("this plan offloads blocks' activations to host memory, which runs eagerly only (its "
+                         "saved-tensor hooks do not run inside compiled graphs): apply it to the model before "
+                         "torch.compile, or make a plan with offload=False")
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     plan.check_fits(model)
     if plan.optimizer_in_backward and optimizer is None:
@@ -64,9 +73,13 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
     blocks = [uncompiled(model.get_submodule(path)) for path in plan.block_paths]
     wrapped: list[nn.Module] = []
     watch = LayoutWatch(plan)  # planner/layout.py's [a plan names the layout it was made for]
+    offloader = Offloader(device_of(model), model, window_bytes=plan.offload.get("window_bytes", 0),
+                          host_limit_bytes=plan.offload.get("host_budget_bytes")) if offloaded else None
     for piece in plan.schedule:
         if isinstance(piece, PlannedRegion):
             wrap_region(piece, blocks, wrapped, watch)
+        elif piece.offload and offloader is not None:  # costs.py's [offloaded blocks]
+            wrap_forward(blocks[piece.block], functools.partial(offloader.run, blocks[piece.block].forward), wrapped)
         elif piece.recomputes:
             block = blocks[piece.block]
             policy = save_ops(piece.keep, name=f"plan:{plan.block_paths[piece.block]}",

@@ -120,6 +120,19 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
    ``pieces=False``, or a block without pieces); the figures above are then measured so, and its forward pass,
    which then holds one slice's transients, peaks at ``x_i + nested_forward_peak_bytes_i (+ g)`` of [forward
    peak] (measured in the same step) instead of ``forward_peak_bytes_i``.
+12. **[offloaded blocks]** A block may run plainly with the activations its forward pass saves moved to host
+   memory (executor/offload.py), nothing recomputed. It then holds, after its forward pass, its input as a plain
+   block does plus ``offload_held_bytes`` (measured in a step with every block so run: what its forward pass
+   leaves on the device beyond its output; -1: not measured, no such option); its forward pass peaks as a plain
+   block's, and its backward pass at ``C + H + x_i (if held when plain) + offload_held_bytes_i +
+   offload_backward_peak_bytes_i (+ y_i unless i is n-1)`` plus ``offload["window_bytes"]`` (copies brought back
+   ahead of use), the residue measured in the same step as with the other rules (-1: not measured; the plain
+   block's backward terms then count, an over-count, as copies come back only as they are used). It holds
+   ``offload_host_bytes`` of host memory from its forward pass to its backward pass; a plan's host peak is their
+   sum over its offloaded blocks (all alive at the end of the forward pass), kept within
+   ``offload["host_budget_bytes"]``. Its extra time is ``offload_time_s``: the copies' time not hidden behind
+   compute, from the bandwidths measured at profile time, scaled so that the every-block-offloaded step's
+   predicted extra time equals its measured one (``offload["time_scale"]``). Not inside regions.
 """
 
 from __future__ import annotations
@@ -159,6 +172,29 @@ def _check_loss_head(owner: str, entry: object) -> None:
             raise ValueError(f"{owner}.loss_head[{key!r}] must be a {kind.__name__}; got {value!r}")
     _check_non_negative(f"{owner}.loss_head", chunk_tokens=entry["chunk_tokens"] - 1, head_bytes=entry["head_bytes"],
                         extra_time_s=entry["extra_time_s"])
+
+
+_OFFLOAD_KEYS = {"window_bytes": int, "host_budget_bytes": int, "d2h_bytes_per_s": float, "h2d_bytes_per_s": float,
+                 "time_scale": float, "device": str}
+
+
+def _check_offload(owner: str, entry: object) -> None:
+    """[offloaded blocks]: ``CostModel.offload`` is empty, only a ``note`` (why there is no offload option), or the
+    calibration and limits the offload options were measured with."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{owner}.offload must be a dict; got {entry!r}")
+    if not entry or set(entry) == {"note"}:
+        return
+    if set(entry) - {"note"} != set(_OFFLOAD_KEYS):
+        raise ValueError(f"{owner}.offload must have the keys {sorted(_OFFLOAD_KEYS)} (or only 'note'); got "
+                         f"{sorted(entry)}")
+    for key, kind in _OFFLOAD_KEYS.items():
+        value = entry[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+            raise ValueError(f"{owner}.offload[{key!r}] must be a {kind.__name__}; got {value!r}")
+    _check_non_negative(f"{owner}.offload", window_bytes=entry["window_bytes"],
+                        host_budget_bytes=entry["host_budget_bytes"], d2h_bytes_per_s=entry["d2h_bytes_per_s"],
+                        h2d_bytes_per_s=entry["h2d_bytes_per_s"], time_scale=entry["time_scale"])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,6 +249,10 @@ class BlockCosts:
     plain_only: str = ""  # why the block may not be recomputed (planner/repeat.py); "": it may
     has_backward: bool = True  # False: its output needs no gradient (frozen, a no-grad input, a no_grad section)
     checkpoint_residue_bytes: int = 0  # what a checkpointed forward leaves alive besides its outputs (measured)
+    offload_held_bytes: int = -1  # rule 12: device bytes left beyond its output when offloaded; -1: no such option
+    offload_host_bytes: int = 0  # rule 12: host bytes its offloaded activations take
+    offload_time_s: float = 0.0  # rule 12: the offload's visible time per step
+    offload_backward_peak_bytes: int = -1  # rule 12: its backward pass's residue when offloaded; -1: not measured
 
     @property
     def checkpoint_held_bytes(self) -> int:
@@ -229,6 +269,13 @@ class BlockCosts:
         if not isinstance(self.plain_only, str):
             raise ValueError(f"BlockCosts({self.name!r}).plain_only must be a str (a reason, or ''); got "
                              f"{self.plain_only!r}")
+        for name in ("offload_held_bytes", "offload_backward_peak_bytes"):
+            held = getattr(self, name)
+            if isinstance(held, bool) or not isinstance(held, int) or held < -1:
+                raise ValueError(f"BlockCosts({self.name!r}).{name} must be an int >= 0, or -1 (not measured); got "
+                                 f"{held!r}")
+        _check_non_negative(f"BlockCosts({self.name!r})", offload_host_bytes=self.offload_host_bytes,
+                            offload_time_s=self.offload_time_s)
         nested = self.nested_recompute_peak_bytes
         if isinstance(nested, bool) or not isinstance(nested, int) or nested < -1:
             raise ValueError(f"BlockCosts({self.name!r}).nested_recompute_peak_bytes must be an int >= 0, or -1 (not "
@@ -306,9 +353,11 @@ class CostModel:
     optimizer_in_backward: bool = False
     micro_batches: int = 1
     state_bytes: dict[str, int] = field(default_factory=dict)
+    offload: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
+        _check_offload(kind, self.offload)
         if not isinstance(self.state_bytes, dict) or not set(self.state_bytes) <= set(STATE_PARTS) or not all(
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in self.state_bytes.values()):
             raise ValueError(f"{kind}.state_bytes must map some of {STATE_PARTS} to int byte counts >= 0; "

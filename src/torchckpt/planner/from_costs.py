@@ -19,7 +19,7 @@ from torchckpt.planner.plan import Plan, PlannedBlock, PlannedRegion, PlanPiece
 
 __all__ = ["ChainCosts", "check_margin_form", "floor_over_options", "head_options", "loss_head_note",
            "lower_bound_over_options",
-           "no_checkpointing_schedule",
+           "no_checkpointing_schedule", "offload_entry",
            "plan_from_costs", "plan_pieces", "regions_note", "resolve_budget", "resolve_margin", "with_head_note"]
 
 
@@ -62,7 +62,7 @@ def plan_pieces(schedule: Sequence[solver.Piece], menus: Sequence[Sequence[solve
     Example:
         >>> option = solver.MenuOption(kept_ops=(), held_bytes=0, recompute_s=0.0, plain=True)
         >>> plan_pieces((solver.Single(block=0, option=0),), [(option,)])
-        (PlannedBlock(block=0, plain=True, keep=(), keep_ops=(), nested=False, slices=1, slice_batch=0),)
+        (PlannedBlock(block=0, plain=True, keep=(), keep_ops=(), nested=False, slices=1, slice_batch=0, offload=False),)
     """
     out: list[PlanPiece] = []
     for piece in schedule:
@@ -75,7 +75,8 @@ def plan_pieces(schedule: Sequence[solver.Piece], menus: Sequence[Sequence[solve
         names = occurrence_names(costs.blocks[piece.block], keep) if costs is not None and keep else ()
         batch = costs.blocks[piece.block].nested_slice_batch if costs is not None and option.slices > 1 else 0
         out.append(PlannedBlock(block=piece.block, plain=option.plain, keep=keep, keep_ops=names,
-                                nested=option.nested and option.pieces, slices=option.slices, slice_batch=batch))
+                                nested=option.nested and option.pieces, slices=option.slices, slice_batch=batch,
+                                offload=option.offload))
     return tuple(out)
 
 
@@ -208,7 +209,8 @@ def plan_from_costs(costs: CostModel, budget: int | str, *, block_paths: Sequenc
     errors: list[solver.InfeasibleBudgetError] = []
     for rank, (option, head) in enumerate(head_options(costs)):
         try:
-            solution = solver.solve(option, budget_bytes, allow_regions=no_regions is None, margin_bytes=margin_bytes)
+            solution = solver.solve_within_host(option, budget_bytes, allow_regions=no_regions is None,
+                                                margin_bytes=margin_bytes)
         except solver.InfeasibleBudgetError as error:
             errors.append(error)
             continue
@@ -225,7 +227,7 @@ def plan_from_costs(costs: CostModel, budget: int | str, *, block_paths: Sequenc
     notes = {} if no_regions is None or len(costs.blocks) < 2 else {"regions": no_regions}
     # repeat.py's, other_blocks.py's, batch_slices.py's notes; and planner/layout.py's [a plan names the layout it
     # was made for] (the engine and ranks agreed by planner/distributed.py)
-    for name in ("not recomputed", "other blocks", "batch slices", "engine", "ranks"):
+    for name in ("not recomputed", "other blocks", "batch slices", "engine", "ranks", "offload"):
         if name in costs.notes:
             notes[name] = costs.notes[name]
     head_note = loss_head_note(costs, chosen=bool(head))
@@ -240,7 +242,24 @@ def plan_from_costs(costs: CostModel, budget: int | str, *, block_paths: Sequenc
                 reference={"no_checkpointing_peak_bytes": float(plain_peak), "step_time_s": costs.step_time_s,
                            "margin_bytes": float(applied)},
                 notes=notes, loss_head=head, optimizer_in_backward=costs.optimizer_in_backward,
-                micro_batches=costs.micro_batches)
+                micro_batches=costs.micro_batches, offload=offload_entry(costs, solution))
+
+
+def offload_entry(costs: CostModel, solution: solver.Solution) -> dict[str, int]:
+    """``Plan.offload`` for a solution: empty unless it offloads a block (costs.py's [offloaded blocks]).
+
+    Example:
+        >>> from torchckpt.planner.costs import BlockCosts
+        >>> block = BlockCosts(name="b", input_bytes=1, output_bytes=1, saved_bytes=1, forward_time_s=0.1)
+        >>> costs = ChainCosts(fixed_bytes=0, head_bytes=0, blocks=(block,))
+        >>> offload_entry(costs, solver.solve(costs, 10))
+        {}
+    """
+    if not solution.host_bytes:
+        return {}
+    return {"window_bytes": int(costs.offload["window_bytes"]),
+            "host_budget_bytes": int(costs.offload["host_budget_bytes"]),
+            "predicted_host_peak_bytes": int(solution.host_bytes)}
 
 
 def head_options(costs: CostModel) -> list[tuple[CostModel, dict[str, Any]]]:

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from torchckpt._units import parse_bytes, parse_percent
-from torchckpt.executor.compiled import uncompiled
+from torchckpt.executor.compiled import is_compiled_module, uncompiled
 from torchckpt.planner.batch_slices import check_batch_slices
 from torchckpt.planner.from_costs import check_margin_form, plan_from_costs
+from torchckpt.planner.offload_step import check_offload_args
 from torchckpt.planner.plan import Plan, fingerprint
 from torchckpt.planner.profile import profile
 from torchckpt.planner.runner import StepFn, check_micro_batches
@@ -29,7 +30,8 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
          loss_fn: Callable[[Any], torch.Tensor] | None = None, optimizer: torch.optim.Optimizer | None = None,
          blocks: str | Sequence[nn.Module] = "auto", regions: bool = True, step_fn: StepFn | None = None,
          margin: int | float | str = "auto", loss_head: bool | str = True, pieces: bool = True,
-         optimizer_in_backward: bool = False, micro_batches: int = 1, batch_slices: int = 1) -> Plan:
+         optimizer_in_backward: bool = False, micro_batches: int = 1, batch_slices: int = 1,
+         offload: bool = False, host_budget: int | str | None = None) -> Plan:
     """Measure ``model`` and return the plan with the least predicted recompute time within ``budget``.
 
     The budget covers the whole step as the profiler runs it: by default ``loss = (loss_fn or
@@ -62,6 +64,13 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     unsliced ones to rounding (``verify_plan`` compares them so), every other gradient stays bitwise. Not with
     ``optimizer_in_backward=True`` (the update inside the backward pass can magnify that rounding).
 
+    ``offload=True`` (opt-in, one process, eager): a block may instead run plainly with the activations it saves
+    moved to host memory in its forward pass and brought back, bitwise, for its backward (executor/offload.py),
+    where that is faster than recomputing it; ``host_budget`` (bytes or a size string; None: half the host memory
+    available when planning) bounds the host memory the plan's offloaded activations take at once
+    (``Plan.offload``). On the CPU the "host" is a second, separately counted pool of the same memory, which tests
+    and teaches the plans; on CUDA it is pinned host memory, the copies overlapping compute on a side stream.
+
     ``margin`` is kept below the budget by plans the profiler did not measure (``resolve_margin``):
     ``"auto"`` (64 KiB plus 0.5% of the plain step's activations), bytes, or a share of the budget. No
     checkpointing and every block checkpointed (``gradient_checkpointing_enable()``) are measured, so
@@ -86,12 +95,16 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     check_margin_form(margin)
     check_micro_batches(micro_batches)
     check_batch_slices(batch_slices)
+    check_offload_args(offload, host_budget)
+    if offload and is_compiled_module(model):
+        raise ValueError("offload=True plans run eagerly only (saved-tensor hooks do not run inside compiled "
+                         "graphs): plan the model before torch.compile, or plan with offload=False")
     # the blocks as profiled: "auto" is taken in the order the blocks run (profile's rule)
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, regions=regions,
                     step_fn=step_fn, loss_head=loss_head, pieces=pieces,
                     optimizer_in_backward=optimizer_in_backward, micro_batches=micro_batches,
-                    batch_slices=batch_slices)
+                    batch_slices=batch_slices, offload=offload, host_budget=host_budget)
     paths = list(costs.block_paths)
     return plan_from_costs(costs, budget, block_paths=paths,
                            model_fingerprint=fingerprint(model, example_inputs, paths), regions=regions, margin=margin)

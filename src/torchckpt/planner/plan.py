@@ -33,13 +33,15 @@ from torchckpt.planner.blocks import describe_paths, own_type, structure_key
 __all__ = ["Plan", "PlanMismatchError", "PlanPiece", "PlannedBlock", "PlannedRegion", "fingerprint",
            "iter_blocks"]
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # A plan is written as the lowest version that carries it, so that releases before an option read the plans
 # without it the same way and refuse, by version, those with it instead of applying them without: version 1
 # has none of the options below; version 2 adds a chunked loss head, nested pieces, the optimizer inside the
-# backward pass and micro-batches; version 3 adds blocks run in slices of the batch.
+# backward pass and micro-batches; version 3 adds blocks run in slices of the batch; version 4 offloaded blocks.
 _WITHOUT_LOSS_HEAD_VERSION = 1
 _WITHOUT_SLICES_VERSION = 2
+_WITHOUT_OFFLOAD_VERSION = 3
+_OFFLOAD_KEYS = ("window_bytes", "host_budget_bytes", "predicted_host_peak_bytes")
 
 
 class PlanMismatchError(ValueError):
@@ -69,9 +71,14 @@ class PlannedBlock:
     nested: bool = False  # its pieces checkpointed inside it (costs.py's [pieces nested inside a block])
     slices: int = 1  # run in this many slices of the batch, keeping nothing (executor/batch_slices.py)
     slice_batch: int = 0  # ... of a batch this large (as profiled); another batch runs unsliced, with a warning
+    offload: bool = False  # run plainly, its saved activations in host memory (costs.py's [offloaded blocks])
 
     def __post_init__(self) -> None:
         check_index("PlannedBlock.block", self.block)
+        if not isinstance(self.offload, bool) or (self.offload and not self.plain):
+            raise ValueError(f"PlannedBlock(block={self.block}).offload must be a bool, True only for a plain block "
+                             f"(offload moves what a plainly run block saves); got offload={self.offload!r}, "
+                             f"plain={self.plain!r}")
         if not isinstance(self.plain, bool):
             raise ValueError(f"PlannedBlock.plain must be a bool; got {self.plain!r}")
         if not isinstance(self.nested, bool):
@@ -157,6 +164,8 @@ def _piece_to_json(piece: PlanPiece) -> dict[str, Any]:
     entry: dict[str, Any] = {"block": piece.block, "plain": piece.plain}
     if piece.nested:
         entry["nested"] = True
+    if piece.offload:
+        entry["offload"] = True
     if piece.slices > 1:
         entry["slices"] = piece.slices
         entry["slice_batch"] = piece.slice_batch
@@ -175,7 +184,8 @@ def _piece_from_json(entry: Any) -> PlanPiece:
         return PlannedRegion(start=start, stop=stop, inner=tuple(_piece_from_json(p) for p in entry["inner"]))
     return PlannedBlock(block=entry["block"], plain=entry["plain"], keep=tuple(entry.get("keep", ())),
                         keep_ops=tuple(entry.get("keep_ops", ())), nested=entry.get("nested", False),
-                        slices=entry.get("slices", 1), slice_batch=entry.get("slice_batch", 0))
+                        slices=entry.get("slices", 1), slice_batch=entry.get("slice_batch", 0),
+                        offload=entry.get("offload", False))
 
 
 def fingerprint(model: nn.Module, example_inputs: tuple | dict, block_paths: list[str]) -> dict[str, Any]:
@@ -212,6 +222,9 @@ class Plan:
             backward pass (``executor/optimizer_in_backward.py``); ``apply`` then needs the optimizer.
         micro_batches: backward passes per optimizer step (gradient accumulation) the plan was measured for;
             its peaks hold on every micro-batch (Note: [a later micro-batch peaks highest]).
+        offload: empty, or, for a plan with offloaded blocks (``PlannedBlock.offload``), the executor's
+            ``window_bytes`` and ``host_budget_bytes`` and the plan's ``predicted_host_peak_bytes`` (costs.py's
+            [offloaded blocks]).
     """
 
     budget_bytes: int
@@ -225,8 +238,13 @@ class Plan:
     loss_head: dict[str, Any] = field(default_factory=dict)
     optimizer_in_backward: bool = False
     micro_batches: int = 1
+    offload: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        offload = self.offload
+        if not isinstance(offload, dict) or (offload and (set(offload) != set(_OFFLOAD_KEYS) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in offload.values()))):
+            raise ValueError(f"Plan.offload must be {{}} or map {list(_OFFLOAD_KEYS)} to ints >= 0; got {offload!r}")
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise ValueError(f"Plan.micro_batches must be an int >= 1; got {self.micro_batches!r}")
         if not isinstance(self.optimizer_in_backward, bool):
@@ -259,7 +277,9 @@ class Plan:
         rows: list[dict[str, Any]] = []
         for piece, region in iter_blocks(self.schedule):
             index = piece.block
-            if piece.plain:
+            if piece.offload:
+                decision = "keep all, offloaded to host"
+            elif piece.plain:
                 decision = "keep all"
             elif piece.slices > 1:
                 pieces = ", pieces nested" if piece.nested else ""
@@ -299,6 +319,10 @@ class Plan:
         if self.micro_batches > 1:
             lines.append(f"gradient accumulation: {self.micro_batches} micro-batches per optimizer step; the peak "
                          "holds on every one")
+        if self.offload:
+            lines.append(f"host memory: offloaded activations predicted to peak at "
+                         f"{format_bytes(self.offload['predicted_host_peak_bytes'])} (host budget "
+                         f"{format_bytes(self.offload['host_budget_bytes'])})")
         if self.optimizer_in_backward:
             lines.append("optimizer: its update runs per parameter inside the backward pass (apply(model, plan, "
                          "optimizer=...))")
@@ -333,7 +357,9 @@ class Plan:
         nested = any(piece.nested for piece, _ in iter_blocks(self.schedule))
         newer = self.loss_head or nested or self.optimizer_in_backward or self.micro_batches > 1
         sliced = any(piece.slices > 1 for piece, _ in iter_blocks(self.schedule))
-        version = FORMAT_VERSION if sliced else _WITHOUT_SLICES_VERSION if newer else _WITHOUT_LOSS_HEAD_VERSION
+        offloaded = any(piece.offload for piece, _ in iter_blocks(self.schedule))
+        version = FORMAT_VERSION if offloaded else _WITHOUT_OFFLOAD_VERSION if sliced else \
+            _WITHOUT_SLICES_VERSION if newer else _WITHOUT_LOSS_HEAD_VERSION
         payload = {"format": "torchckpt.plan", "version": version, "budget_bytes": self.budget_bytes,
                    "predicted_peak_bytes": self.predicted_peak_bytes,
                    "predicted_extra_time_s": self.predicted_extra_time_s,
@@ -342,7 +368,8 @@ class Plan:
                    "reference": self.reference, "notes": self.notes,
                    **({"loss_head": self.loss_head} if self.loss_head else {}),
                    **({"optimizer_in_backward": True} if self.optimizer_in_backward else {}),
-                   **({"micro_batches": self.micro_batches} if self.micro_batches > 1 else {})}
+                   **({"micro_batches": self.micro_batches} if self.micro_batches > 1 else {}),
+                   **({"offload": self.offload} if self.offload else {})}
         return json.dumps(payload, indent=1)
 
     @classmethod
@@ -354,7 +381,8 @@ class Plan:
             raise ValueError(f"not a torchckpt plan: invalid JSON ({error})") from None
         if not isinstance(payload, dict) or payload.get("format") != "torchckpt.plan":
             raise ValueError("not a torchckpt plan: the JSON has no \"format\": \"torchckpt.plan\" field")
-        if payload.get("version") not in (_WITHOUT_LOSS_HEAD_VERSION, _WITHOUT_SLICES_VERSION, FORMAT_VERSION):
+        if payload.get("version") not in (_WITHOUT_LOSS_HEAD_VERSION, _WITHOUT_SLICES_VERSION,
+                                          _WITHOUT_OFFLOAD_VERSION, FORMAT_VERSION):
             raise ValueError(f"plan format version {payload.get('version')!r} is not supported by this torchckpt "
                              f"(reads versions {_WITHOUT_LOSS_HEAD_VERSION} to {FORMAT_VERSION}); upgrade torchckpt "
                              "or re-create the plan")
@@ -366,7 +394,7 @@ class Plan:
                        reference=payload.get("reference", {}), notes=payload.get("notes", {}),
                        loss_head=payload.get("loss_head", {}),
                        optimizer_in_backward=payload.get("optimizer_in_backward", False),
-                       micro_batches=payload.get("micro_batches", 1))
+                       micro_batches=payload.get("micro_batches", 1), offload=payload.get("offload", {}))
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"not a complete torchckpt plan: missing or malformed field {error}; re-create the "
                              "plan with torchckpt.plan(...)") from None

@@ -79,7 +79,7 @@ from torch import nn
 
 from torchckpt._host import paused_gc, preserved_state
 from torchckpt.executor import CheckpointHandle, checkpoint_modules
-from torchckpt.executor.compiled import eager_measurement, uncompiled
+from torchckpt.executor.compiled import eager_measurement, is_compiled_module, uncompiled
 from torchckpt.executor.kv_cache import kv_cache_off
 from torchckpt.executor.optimizer_in_backward import optimizer_in_backward as optimizer_in_backward_of
 from torchckpt.memory import MemoryMeter
@@ -99,6 +99,7 @@ from torchckpt.planner.distributed import (
 from torchckpt.planner.from_costs import ChainCosts, no_checkpointing_schedule
 from torchckpt.planner.head import check_loss_head_arg
 from torchckpt.planner.layerdrop import layerdrop_off
+from torchckpt.planner.offload_step import check_offload_args, measure_offload
 from torchckpt.planner.options_step import measure_options
 from torchckpt.planner.other_blocks import other_blocks_note
 from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
@@ -134,6 +135,8 @@ def profile(
     optimizer_in_backward: bool = False,
     micro_batches: int = 1,
     batch_slices: int = 1,
+    offload: bool = False,
+    host_budget: int | str | None = None,
 ) -> ChainCosts:
     """Measure ``model`` on ``example_inputs`` and return its cost model.
 
@@ -165,7 +168,11 @@ def profile(
     once; plans from these costs say so and ``apply`` installs it. ``micro_batches`` > 1 (gradient accumulation:
     that many backward passes per optimizer step) measures every step as the second micro-batch runs it, the
     first's gradients alive from its start (Note: [a later micro-batch peaks highest]). ``batch_slices`` k > 1
-    (opt-in): see ``torchckpt.plan`` and costs.py's [pieces nested inside a block].
+    (opt-in): see ``torchckpt.plan`` and costs.py's [pieces nested inside a block]. ``offload=True`` (opt-in) adds
+    five steps (one measured with every block's saved activations offloaded to host memory, two timed so, two
+    timed plainly), and a
+    bandwidth calibration (planner/offload_step.py), a menu option of each block (costs.py's [offloaded blocks]),
+    its host memory within ``host_budget`` (bytes or a size string; None: half the host memory available).
 
     Example:
         >>> from torchckpt.models import gpt
@@ -174,6 +181,8 @@ def profile(
         >>> len(costs.blocks), costs.blocks[0].input_bytes
         (2, 8192)
     """
+    offload_options = {"offload": offload, "host_budget": check_offload_args(offload, host_budget),
+                       "compiled": is_compiled_module(model)}
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     check_loss_head_arg(model, loss_head)
     options = {"loss_head": loss_head, "pieces": pieces, "batch_slices": check_batch_slices(batch_slices)}
@@ -217,6 +226,8 @@ def profile(
             block_list = [block_list[k] for k in error.ran]
             runner.clear_grads()
             costs = _measure_costs(runner, block_list, progress, regions_off, group, options)
+        costs = measure_offload(runner, block_list, costs, progress or (lambda message: None), group,
+                                **offload_options)
         if isinstance(blocks, str) and group is None:  # other_blocks.py's [a much lower floor elsewhere is named]
             plain, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
             peak = costs.every_block_peak_bytes

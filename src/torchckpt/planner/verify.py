@@ -48,6 +48,9 @@ class VerifyReport:
     no_checkpointing_step_time_s: float
     rounding_only: tuple[str, ...] = ()  # parameters compared to rounding: the chunked loss head's, sliced blocks'
     rounding_relative_difference: float = 0.0  # their largest |difference| over their largest |gradient|
+    measured_host_peak_bytes: int = 0  # offloaded activations in host memory at most at once (MemoryMeter)
+    predicted_host_peak_bytes: int = 0  # ... as the plan predicted (Plan.offload; 0: nothing offloaded)
+    host_budget_bytes: int = 0  # ... and the host budget it was made for
 
     @property
     def within_budget(self) -> bool:
@@ -73,7 +76,11 @@ class VerifyReport:
                f"{self.rounding_relative_difference:.2g}" if self.rounding_only else "")
             + f"; step {self.step_time_s:.3f} s vs {self.no_checkpointing_step_time_s:.3f} s without checkpointing",
             "buffers bitwise equal" if self.buffers_equal else f"buffers DIFFER (first: {self.first_differing_buffer})",
-        ])
+        ] + ([f"host memory: offloaded activations measured at {format_bytes(self.measured_host_peak_bytes)} "
+              f"(predicted {format_bytes(self.predicted_host_peak_bytes)}; host budget "
+              f"{format_bytes(self.host_budget_bytes)}, "
+              f"{'within' if self.measured_host_peak_bytes <= self.host_budget_bytes else 'OVER'})"]
+             if self.predicted_host_peak_bytes else []))
 
     def _rounding_names(self) -> str:
         names = self.rounding_only
@@ -84,7 +91,7 @@ class VerifyReport:
 
 
 def _measured_step(runner: StepRunner, seed: int, optimizer: torch.optim.Optimizer | None = None,
-                   ) -> tuple[int, float, list[tuple[np.ndarray | None, torch.dtype]]]:
+                   ) -> tuple[int, float, list[tuple[np.ndarray | None, torch.dtype]], int]:
     """One measured step; its gradients, or, with ``optimizer`` (a plan with the optimizer in the backward pass),
     the parameters after ``optimizer.step()`` (outside the meter; a no-op where the update already ran)."""
     runner.clear_grads()
@@ -105,7 +112,7 @@ def _measured_step(runner: StepRunner, seed: int, optimizer: torch.optim.Optimiz
     else:
         grads = [(None if p.grad is None else host_bytes(p.grad), p.dtype) for p in runner.model.parameters()]
     runner.clear_grads()
-    return meter.peak_bytes, elapsed, grads
+    return meter.peak_bytes, elapsed, grads, meter.host_peak_bytes
 
 
 def _buffer_bytes(model: nn.Module) -> dict[str, np.ndarray]:
@@ -228,13 +235,13 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
         _measured_step(runner, seed, optimizer)
         start = _buffer_bytes(model)
         with preserved_state(model, updates):  # parameters and optimizer state back before the planned step
-            plain_peak, plain_time, plain_grads = _measured_step(runner, seed, updates)
+            plain_peak, plain_time, plain_grads, _ = _measured_step(runner, seed, updates)
             plain_buffers = _buffer_bytes(model)
         _put_back_buffers(model, start)  # the planned step starts from the same buffers
         # Every region's recomputation is checked op by op here, also those that keep nothing
         # (checkpoint.py's [a region that keeps nothing runs on torch's checkpoint alone]); the step time includes it.
         with preserved_state(model, updates), apply_plan(model, plan, updates), recompute_checks():
-            peak, step_time, grads = _measured_step(runner, seed, updates)
+            peak, step_time, grads, host_peak = _measured_step(runner, seed, updates)
             differing = _first_difference(_buffer_bytes(model), plain_buffers)
     rounding = loss_head_parameters(model, plan) + sliced_parameters(model, plan)
     groups = [[i for i, _ in sliced_parameters(model, plan, only=piece.block)]
@@ -246,4 +253,6 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
                         measured_peak_bytes=peak, no_checkpointing_peak_bytes=plain_peak, gradients_equal=equal,
                         max_gradient_difference=difference, buffers_equal=differing is None,
                         first_differing_buffer=differing, step_time_s=step_time,
-                        no_checkpointing_step_time_s=plain_time)
+                        no_checkpointing_step_time_s=plain_time, measured_host_peak_bytes=host_peak,
+                        predicted_host_peak_bytes=plan.offload.get("predicted_host_peak_bytes", 0),
+                        host_budget_bytes=plan.offload.get("host_budget_bytes", 0))

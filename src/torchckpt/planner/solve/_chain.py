@@ -96,6 +96,10 @@ class Chain:
         recompute = 0 if option.plain else b.recompute_peak_bytes + option.recompute_extra_bytes
         held_input = self._input_held_bytes(block, option)
         backward = held_input + b.saved_bytes + b.backward_peak_bytes + recompute + incoming
+        if option.offload:  # costs.py's [offloaded blocks]: measured in place of the plain terms, where it was
+            if b.offload_backward_peak_bytes >= 0:
+                backward = held_input + option.held_bytes + b.offload_backward_peak_bytes + incoming
+            backward += int(self.costs.offload.get("window_bytes", 0))
         if option.nested:  # costs.py's [pieces nested inside a block]: measured in place of the last three terms
             backward = held_input + option.held_bytes + b.nested_recompute_peak_bytes + incoming
         return max(forward, backward)

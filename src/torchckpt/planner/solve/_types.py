@@ -18,7 +18,10 @@ class MenuOption:
     ``plain`` is True only for option 0 (no checkpoint: autograd keeps ``saved_bytes``, nothing is
     recomputed; ``kept_ops`` then lists every op whose output autograd saves). Otherwise the block is
     checkpointed keeping the outputs of ``kept_ops`` (``OpCosts.index`` values, the executor's
-    numbering): ``held_bytes`` is their size and ``recompute_s`` the forward time left to recompute.
+    numbering): ``held_bytes`` is their size and ``recompute_s`` the forward time left to recompute. An
+    ``offload`` option runs the block plainly with its saved activations in host memory (costs.py's [offloaded
+    blocks]): ``held_bytes`` is what stays on the device, ``host_bytes`` what moves, ``recompute_s`` the copies'
+    visible time.
     """
 
     kept_ops: tuple[int, ...]
@@ -29,6 +32,8 @@ class MenuOption:
     slices: int = 1  # ... the block run in this many slices of the batch (its nested_slices)
     pieces: bool = True  # ... and its pieces nested inside it (its nested_pieces)
     recompute_extra_bytes: int = 0  # menu.py's [kept outputs wait for their op]: added to the backward peak
+    offload: bool = False  # costs.py's [offloaded blocks]: run plainly, its saved activations in host memory
+    host_bytes: int = 0  # ... the host bytes they take
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,7 @@ class Solution:
     predicted_peak_bytes: int
     extra_time_s: float
     budget_bytes: int
+    host_bytes: int = 0  # costs.py's [offloaded blocks]: host memory its offloaded blocks take
 
 
 class InfeasibleBudgetError(ValueError):

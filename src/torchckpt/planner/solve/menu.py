@@ -27,6 +27,10 @@ Menu rules:
    plus the kept outputs of the ops after ``t``; the option's extra is how far that peaks above the plain
    forward's own largest ``alive_bytes``, which the keep-nothing recompute already costs (0 when the ops' alive
    bytes were not measured).
+5. **[offload beside recompute]** Where the block's offload was measured (``offload_held_bytes >= 0``: costs.py's
+   [offloaded blocks]), an offload option comes just before the nested and keep-nothing options: run plainly
+   (``plain=True``, ``offload=True``), holding ``offload_held_bytes`` on the device and ``offload_host_bytes`` on the
+   host, for ``offload_time_s``. It is offered only where it holds less than plain.
 """
 
 from __future__ import annotations
@@ -135,4 +139,7 @@ def block_menu(block: BlockCosts) -> tuple[MenuOption, ...]:
                    nested=True, slices=block.nested_slices, pieces=block.nested_pieces),)
     every_op = sorted(block.ops, key=lambda op: op.index)
     middle = [replace(o, recompute_extra_bytes=_recompute_extra(every_op, o.kept_ops)) for o in middle]
-    return (plain, *reversed(middle), *nested, nothing)
+    offload = () if not 0 <= block.offload_held_bytes < block.saved_bytes else (  # rule 5
+        MenuOption(kept_ops=(), held_bytes=block.offload_held_bytes, recompute_s=float(block.offload_time_s),
+                   plain=True, offload=True, host_bytes=block.offload_host_bytes),)
+    return (plain, *reversed(middle), *offload, *nested, nothing)
