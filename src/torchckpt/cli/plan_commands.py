@@ -109,6 +109,11 @@ def _check_before_profiling(args: argparse.Namespace, action: str) -> None:
     if args.loss and args.step:
         raise CommandLineError("--loss and --step together: the --step function runs the whole forward and "
                                "backward, so compute the loss inside it and leave out --loss")
+    if args.host_budget is not None and not args.offload:
+        raise CommandLineError("--host-budget bounds the host memory of offloaded activations: give --offload too, "
+                               "or leave out --host-budget")
+    if args.host_budget is not None:
+        parse_bytes(args.host_budget, option="--host-budget")
 
 
 def _profiled(args: argparse.Namespace, action: str) -> Any:
@@ -132,7 +137,7 @@ def _profiled(args: argparse.Namespace, action: str) -> Any:
     blocks = resolve_blocks(model, select_blocks(model, args.blocks) if args.blocks else "auto")
     with Status(f"torchckpt {action}: {args.model}") as status, block_ticks(blocks, status):
         costs = profile(model, batch, blocks=blocks, loss_fn=loss_fn, step_fn=step_fn, batch_slices=args.batch_slices,
-                        progress=status.update)
+                        progress=status.update, offload=args.offload, host_budget=args.host_budget)
         status.update("solving")
         paths = block_paths(model, blocks)
         identity = fingerprint(model, batch, paths)
@@ -207,6 +212,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-slices", type=positive_int, default=1, metavar="K",
                         help="let blocks that are exact in K slices of the batch be recomputed one slice at a time "
                              "(a lower floor; their weights' gradients then equal to rounding; default 1: never)")
+    parser.add_argument("--offload", action="store_true",
+                        help="let blocks run plainly with their saved activations in host memory, where that is "
+                             "faster than recomputing them (on a CPU the host is a second, counted pool of the same "
+                             "memory: for tests and teaching; one more measured step and four timed ones)")
+    parser.add_argument("--host-budget", metavar="SIZE",
+                        help="with --offload: the host memory offloaded activations may take at once, e.g. '16GiB' "
+                             "(default: half the host memory available)")
     parser.add_argument("--step", metavar="FILE.py:FN",
                         help="your own training step: FN(model, example_inputs) runs the forward, calls "
                              "loss.backward() and returns the loss; use it when your loop keeps the output (the "

@@ -62,7 +62,8 @@ def floor_parts(chain: Chain, schedule: Sequence[Piece], margin_bytes: int) -> t
         a smaller batch, or the same batch as micro-batches (plan(..., micro_batches=k)): 24 B of it are
         activations; batch_slices=k (plan(..., batch_slices=4)): each block whose outputs are exact in slices of the
         batch is recomputed one slice at a time (its weights' gradients then equal to rounding); sharding
-        parameters, gradients and optimizer state (FSDP/ZeRO); offloading (optimizer state or activations to CPU).
+        parameters, gradients and optimizer state (FSDP/ZeRO); offload=True (plan(..., offload=True)): blocks may
+        keep their saved activations in host memory instead of recomputing them; or offloading the optimizer state.
     """
     costs = chain.costs
     parts = peak_parts(chain, schedule)
@@ -108,7 +109,13 @@ def floor_parts(chain: Chain, schedule: Sequence[Piece], margin_bytes: int) -> t
         levers.append("FSDP2 (fully_shard) instead of DDP, to shard parameters, gradients and optimizer state")
     else:
         levers.append("sharding parameters, gradients and optimizer state (FSDP/ZeRO)")
-    levers.append("offloading (optimizer state or activations to CPU)")
+    if any(block.offload_held_bytes >= 0 for block in costs.blocks):  # costs.py's [offloaded blocks]: planned
+        levers.append("offloading the optimizer state to host memory (not planned here)")
+    elif activations > 0 and "engine" not in costs.notes:
+        levers.append("offload=True (plan(..., offload=True)): blocks may keep their saved activations in host "
+                      "memory instead of recomputing them; or offloading the optimizer state")
+    else:
+        levers.append("offloading (optimizer state or activations to host memory)")
     text = f"{' + '.join(terms)}. What would lower it: {'; '.join(levers)}."
     figures: dict[str, Any] = {"floor_bytes": total, "fixed_bytes": parts.fixed_bytes, **{
         f"{name}_bytes": value for name, value in kept.items()}, "outside_bytes": outside,
