@@ -1,6 +1,6 @@
 """The CUDA validation kit: the checks a session lent a GPU runs once (``bench/cuda_check.sh``).
 
-Four sections, each recorded as ``ok`` or ``failed`` with the error, so that one failure loses nothing
+Five sections, each recorded as ``ok`` or ``failed`` with the error, so that one failure loses nothing
 else; the results file is rewritten after every section, so a run cut short keeps what it finished:
 
 1. ``meter``: ``MemoryMeter`` on the device against analytic bytes and the caching allocator's own
@@ -13,7 +13,13 @@ else; the results file is rewritten after every section, so a run cut short keep
    around every block, torchtitan's selective-op checkpointing (both by torch's own mechanisms,
    ``harness.methods``) and a torchckpt plan made at the every-block method's measured peak; median step
    time with min-max, peaks, and the ratio to every block.
-4. ``state``: an async ``Checkpointer`` save of the CUDA model and its AdamW state (the staging buffer is
+4. ``offload``: the same model profiled with ``offload=True`` (costs.py's [offloaded blocks]): a plan at every
+   block's measured peak and one at the floor with offload, each verified (predicted against measured device
+   peak, host bytes, gradients and buffers bitwise); the floor against every block's peak; then interleaved
+   steps: no checkpointing, every block, the plan without offload and with it at every block's peak, and the
+   offload peers at their own peaks (``save_on_cpu`` around every block, as HF's ``offload=True``; SAC's
+   ``MUST_CPU_OFFLOAD`` on matmul outputs, in eager), each with its step time over no checkpointing.
+5. ``state``: an async ``Checkpointer`` save of the CUDA model and its AdamW state (the staging buffer is
    pinned for CUDA tensors), restored bitwise into a fresh model; blocking and total save times.
 
 ``--device cpu --quick`` runs the same code on the CPU in seconds; ``tests/bench/test_cuda_check.py``
@@ -31,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -50,7 +57,7 @@ from torchckpt.memory import MemoryMeter, synchronize
 
 __all__ = ["SECTIONS", "main"]
 
-SECTIONS = ("meter", "decoder", "speed", "state")
+SECTIONS = ("meter", "decoder", "speed", "offload", "state")
 _MIB = 1 << 20
 
 
@@ -202,6 +209,76 @@ def check_speed(device: torch.device, quick: bool, batch_size: int, seq_len: int
     return result
 
 
+def _verified(model: Any, plan: Any, batch: dict) -> dict[str, Any]:
+    import torchckpt
+
+    report = torchckpt.verify_plan(model, plan, batch)
+    return {"budget_bytes": plan.budget_bytes, "predicted_peak_bytes": report.predicted_peak_bytes,
+            "measured_peak_bytes": report.measured_peak_bytes, "prediction_error": report.prediction_error,
+            "within_budget": report.within_budget, "gradients_equal": report.gradients_equal,
+            "buffers_equal": report.buffers_equal, "predicted_extra_time_s": plan.predicted_extra_time_s,
+            "predicted_host_peak_bytes": report.predicted_host_peak_bytes,
+            "measured_host_peak_bytes": report.measured_host_peak_bytes,
+            "offloaded_blocks": sum(1 for d in plan.decisions() if "offloaded" in d["decision"]),
+            "plan_step_s": report.step_time_s, "plain_step_s": report.no_checkpointing_step_time_s}
+
+
+def check_offload(device: torch.device, quick: bool, batch_size: int, seq_len: int, rounds: int) -> dict[str, Any]:
+    """Offload planned, verified and timed against recompute and the offload peers (module docstring, section 4)."""
+    from harness.methods import MethodSpec, NotApplicableError
+
+    import torchckpt
+    from torchckpt.planner import solve
+
+    model, batch, blocks = build_decoder(quick, device, batch_size, seq_len)
+    start = time.perf_counter()
+    costs = torchckpt.profile(model, batch, offload=True)
+    result: dict[str, Any] = {"planning_s": time.perf_counter() - start, "offload": costs.offload,
+                              "every_block_peak_bytes": costs.every_block_peak_bytes}
+    floor = solve.floor_bytes(costs)
+    without = dataclasses.replace(costs, blocks=tuple(dataclasses.replace(b, offload_held_bytes=-1)
+                                                      for b in costs.blocks))  # the same costs, no offload option
+    result["floor_bytes"] = floor
+    result["floor_over_every_block"] = floor / max(costs.every_block_peak_bytes, 1)
+    plan = costs.plan(costs.every_block_peak_bytes)
+    result["at_every_block_peak"] = _verified(model, plan, batch)
+    result["at_floor"] = _verified(model, costs.plan(floor), batch)
+    plain_plan = without.plan(costs.every_block_peak_bytes)
+    methods: dict[str, Callable[[], Callable[[], None]]] = {
+        label: functools.partial(_applied, MethodSpec(kind=kind, label=label), model, blocks, batch)
+        for kind, label in (("none", "no checkpointing"), ("every_block", "torch.utils.checkpoint every block"),
+                            ("save_on_cpu", "save_on_cpu every block (HF offload=True)"),
+                            ("sac_offload", "SAC MUST_CPU_OFFLOAD on matmuls (eager)"))}
+    methods["torchckpt plan, no offload"] = lambda: torchckpt.apply(model, plain_plan).remove
+    methods["torchckpt plan with offload"] = lambda: torchckpt.apply(model, plan).remove
+    samples: dict[str, list[tuple[float, int]]] = {label: [] for label in methods}
+    skipped: dict[str, str] = {}
+    for r in range(rounds + 1):  # round 0 warms up, and drops a peer that cannot run here (recorded)
+        labels = [label for label in methods if label not in skipped]
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            try:
+                remove = methods[label]()
+                try:
+                    seconds, peak, _ = _step(model, batch, device)
+                finally:
+                    remove()
+            except (NotApplicableError, RuntimeError, NotImplementedError) as error:
+                if r:
+                    raise
+                skipped[label] = f"n/a: {type(error).__name__}: {str(error)[:300]}"
+                continue
+            if r:
+                samples[label].append((seconds, peak))
+    rows: dict[str, Any] = {label: {"median_s": statistics.median(s for s, _ in got), "min_s": min(s for s, _ in got),
+                                    "max_s": max(s for s, _ in got), "peak_bytes": max(p for _, p in got)}
+                            for label, got in samples.items() if got}
+    base = rows["no checkpointing"]["median_s"]
+    for row in rows.values():
+        row["over_no_checkpointing"] = row["median_s"] / base
+    result["methods"] = {**rows, **skipped}
+    return result
+
+
 def check_state(device: torch.device) -> dict[str, Any]:
     """Async save of a model and AdamW state on ``device``, restore into a fresh model, compare bitwise."""
     from torchckpt.state import Checkpointer
@@ -286,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> str:
         "meter": lambda: check_meter(device),
         "decoder": lambda: check_decoder(device, args.quick, budget, batch_size, seq_len),
         "speed": lambda: check_speed(device, args.quick, batch_size, seq_len, rounds),
+        "offload": lambda: check_offload(device, args.quick, batch_size, seq_len, rounds),
         "state": lambda: check_state(device),
     }
     for section in SECTIONS:

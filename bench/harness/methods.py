@@ -28,10 +28,11 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-__all__ = ["MATMUL_OPS", "PEER_KINDS", "MethodSpec", "NotApplicableError", "apply_method", "chain_reason"]
+__all__ = ["MATMUL_OPS", "OFFLOAD_PEER_KINDS", "PEER_KINDS", "MethodSpec", "NotApplicableError", "apply_method", "chain_reason"]
 
 PEER_KINDS: tuple[str, ...] = ("none", "every_block", "sequential", "selective_op", "dots_saveable")
-_KINDS = (*PEER_KINDS, "compile", "torchckpt")
+OFFLOAD_PEER_KINDS: tuple[str, ...] = ("save_on_cpu", "sac_offload")  # offload's peers (bench/cuda_check.py)
+_KINDS = (*PEER_KINDS, "compile", "torchckpt", *OFFLOAD_PEER_KINDS)
 
 MATMUL_OPS = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
               torch.ops.aten.matmul.default]
@@ -118,6 +119,25 @@ def _every_block(blocks: list[nn.Module], context_fn: Callable[[], Any] | None) 
     return undo
 
 
+def _offload_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_CPU_OFFLOAD if op in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _saved_on_cpu(blocks: list[nn.Module]) -> list[nn.Module]:
+    """Every block's saved tensors moved to (pinned) CPU memory by ``torch.autograd.graph.save_on_cpu``."""
+    undo: list[nn.Module] = []
+    for block in blocks:
+        def forward(*args: Any, _forward: Callable[..., Any] = block.forward, **kwargs: Any) -> Any:
+            pin = torch.cuda.is_available() and any(
+                isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
+            with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+                return _forward(*args, **kwargs)
+        _set_forward(block, forward, undo)
+    return undo
+
+
 def _sequential(blocks: list[nn.Module]) -> list[nn.Module]:
     """Block 0 runs all blocks through checkpoint_sequential; blocks 1.. pass their input through.
 
@@ -164,6 +184,12 @@ def apply_method(spec: MethodSpec, model: nn.Module, blocks: list[nn.Module],
         if reason is not None:
             raise NotApplicableError(f"not a plain chain of blocks: {reason}")
         undo_modules = _sequential(blocks)
+    elif spec.kind == "save_on_cpu":  # what HF's gradient_checkpointing_kwargs={"offload": True} runs
+        undo_modules = _saved_on_cpu(blocks)
+    elif spec.kind == "sac_offload":  # torch's own per-op offload policy: matmul outputs to the CPU, the rest recomputed
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        undo_modules = _every_block(blocks, functools.partial(create_selective_checkpoint_contexts, _offload_matmuls))
     elif spec.kind == "dots_saveable":
         handle = torchckpt.checkpoint_modules(blocks, policy="dots_saveable")
     elif spec.kind == "torchckpt":

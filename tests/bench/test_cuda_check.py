@@ -25,7 +25,7 @@ def test_the_dry_run_passes_every_section(tmp_path: Path) -> None:
     results = json.loads(path.read_text())
     sections = results["sections"]
     assert {name: record["status"] for name, record in sections.items()} == dict.fromkeys(
-        ("meter", "decoder", "speed", "state"), "ok"), {n: r.get("error") for n, r in sections.items()}
+        ("meter", "decoder", "speed", "offload", "state"), "ok"), {n: r.get("error") for n, r in sections.items()}
     assert sections["meter"]["meter_peak_bytes"] == sections["meter"]["analytic_peak_bytes"] == 48 << 20
     decoder = sections["decoder"]
     assert decoder["within_budget"] and decoder["measured_peak_bytes"] <= decoder["budget_bytes"]
@@ -35,6 +35,14 @@ def test_the_dry_run_passes_every_section(tmp_path: Path) -> None:
                           "torchckpt plan at every block's peak"}
     assert all(row["steps"] == 2 for row in speed.values())
     assert speed["torchckpt plan at every block's peak"]["peak_bytes"] <= sections["speed"]["every_block_peak_bytes"]
+    offload = sections["offload"]
+    for where in ("at_every_block_peak", "at_floor"):
+        verified = offload[where]
+        assert verified["within_budget"] and verified["gradients_equal"] and verified["buffers_equal"], where
+        assert verified["measured_peak_bytes"] <= verified["predicted_peak_bytes"], where
+        assert verified["measured_host_peak_bytes"] == verified["predicted_host_peak_bytes"], where
+    assert offload["floor_bytes"] <= offload["every_block_peak_bytes"]
+    assert {"no checkpointing", "torchckpt plan with offload"} <= set(offload["methods"])
     state = sections["state"]
     assert state["valid"] == [True] and state["model_bitwise"] and state["optimizer_bitwise"]
     assert len(results["commit"]) == 40 or results["commit"] == "unknown"
