@@ -225,9 +225,8 @@ def _verified(model: Any, plan: Any, batch: dict) -> dict[str, Any]:
 
 def check_offload(device: torch.device, quick: bool, batch_size: int, seq_len: int, rounds: int) -> dict[str, Any]:
     """Offload planned, verified and timed against recompute and the offload peers (module docstring, section 4)."""
-    from harness.methods import MethodSpec, NotApplicableError
-
     import torchckpt
+    from harness.methods import MethodSpec, NotApplicableError
     from torchckpt.planner import solve
 
     model, batch, blocks = build_decoder(quick, device, batch_size, seq_len)

@@ -28,7 +28,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-__all__ = ["MATMUL_OPS", "OFFLOAD_PEER_KINDS", "PEER_KINDS", "MethodSpec", "NotApplicableError", "apply_method", "chain_reason"]
+__all__ = ["MATMUL_OPS", "OFFLOAD_PEER_KINDS", "PEER_KINDS", "MethodSpec", "NotApplicableError", "apply_method",
+           "chain_reason"]
 
 PEER_KINDS: tuple[str, ...] = ("none", "every_block", "sequential", "selective_op", "dots_saveable")
 OFFLOAD_PEER_KINDS: tuple[str, ...] = ("save_on_cpu", "sac_offload")  # offload's peers (bench/cuda_check.py)
@@ -186,7 +187,8 @@ def apply_method(spec: MethodSpec, model: nn.Module, blocks: list[nn.Module],
         undo_modules = _sequential(blocks)
     elif spec.kind == "save_on_cpu":  # what HF's gradient_checkpointing_kwargs={"offload": True} runs
         undo_modules = _saved_on_cpu(blocks)
-    elif spec.kind == "sac_offload":  # torch's own per-op offload policy: matmul outputs to the CPU, the rest recomputed
+    elif spec.kind == "sac_offload":  # torch's own per-op offload policy: matmul outputs to the CPU, the rest
+        # recomputed
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
         undo_modules = _every_block(blocks, functools.partial(create_selective_checkpoint_contexts, _offload_matmuls))

@@ -97,14 +97,15 @@ def test_an_alive_original_is_not_brought_back_and_a_changed_one_is() -> None:
         return torch.tanh(x @ weight)
 
     x = torch.randn(256, 32)
-    peaks = []
+    peaks: list[int] = []
+    expected: torch.Tensor | None = None
     for offloader in (None, Offloader("cpu")):
         out = fn(x) if offloader is None else offloader.run(fn, x)
         with MemoryMeter() as meter:
             start = meter.current_bytes
             (grad,) = torch.autograd.grad(out.sum(), weight)
         peaks.append(meter.peak_bytes - start)
-        expected = grad if offloader is None else expected
+        expected = grad if expected is None else expected
         assert torch.equal(grad, expected)
     assert peaks[1] <= peaks[0]  # no copy of ``out`` (32 KiB) came back beside it
     offloader = Offloader("cpu")

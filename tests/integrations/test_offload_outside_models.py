@@ -1,8 +1,9 @@
 """Offload (costs.py's [offloaded blocks]) on models nobody here wrote: every family of outside_models.py profiled
 with ``offload=True`` and planned with copies made nearly free (the CPU's own copies are slower than recomputing, so
-its plans would rarely offload; a GPU's hide behind compute): at three budgets (midway and a quarter of the way to no checkpointing, and every
-block's measured peak) some plan offloads blocks; each measures within its budget at its predicted peak (within 5%,
-never under), keeps the host bytes it predicted, and gives gradients and buffers bitwise equal to no checkpointing.
+its plans would rarely offload; a GPU's hide behind compute): at three budgets (midway and a quarter of the way to
+no checkpointing, and every block's measured peak) some plan offloads blocks; each measures within its budget at
+its predicted peak (within 5%, never under), keeps the host bytes it predicted, and gives gradients and buffers
+bitwise equal to no checkpointing.
 Slow tier (make test-all); tests/planner/test_offload_plans.py checks the same on the project's GPT in the fast one.
 """
 

@@ -1,7 +1,8 @@
 """The executor: checkpoint a function or modules with JAX-style save policies, and inspect what is kept.
 
 Public seam: ``checkpoint``, ``checkpoint_sequential``, ``checkpoint_modules`` (+ ``CheckpointHandle``,
-``wrap_forward``, ``recompute_checks``), ``Offloader`` (saved activations moved to host memory), the policies (``Policy``, ``OpInfo``, ``tag`` and the named policies) and
+``wrap_forward``, ``recompute_checks``), ``Offloader`` (saved activations moved to host memory), the
+policies (``Policy``, ``OpInfo``, ``tag`` and the named policies) and
 ``saved_residuals``. The planner lowers its plans onto these; it never reaches inside.
 """
 

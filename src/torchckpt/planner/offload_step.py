@@ -223,9 +223,9 @@ def measure_offload(runner: StepRunner, block_list: list[nn.Module], costs: Chai
                    for block, (held, backward), nbytes, seconds in zip(costs.blocks, _held_and_backward(costs, probe),
                                                                        host, modelled))
     window = min(_MAX_WINDOW, max(host) // 4) if cuda else 0
-    entry = {"window_bytes": int(window), "host_budget_bytes": int(limit), "d2h_bytes_per_s": float(out_rate),
-             "h2d_bytes_per_s": float(back_rate), "time_scale": float(scale), "device": device.type,
-             "note": (f"every block offloaded measured {format_bytes(sum(host))} on the host, "
-                      f"{extra:+.3f} s a step; copies at "
-                      f"{format_bytes(out_rate)}/s out, {format_bytes(back_rate)}/s back")}
-    return replace(costs, blocks=blocks, offload=entry, notes={**costs.notes, "offload": entry["note"]})
+    note = (f"every block offloaded measured {format_bytes(sum(host))} on the host, {extra:+.3f} s a step; copies at "
+            f"{format_bytes(out_rate)}/s out, {format_bytes(back_rate)}/s back")
+    entry: dict[str, Any] = {"window_bytes": int(window), "host_budget_bytes": int(limit),
+                             "d2h_bytes_per_s": float(out_rate), "h2d_bytes_per_s": float(back_rate),
+                             "time_scale": float(scale), "device": device.type, "note": note}
+    return replace(costs, blocks=blocks, offload=entry, notes={**costs.notes, "offload": note})

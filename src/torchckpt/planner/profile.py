@@ -181,8 +181,8 @@ def profile(
         >>> len(costs.blocks), costs.blocks[0].input_bytes
         (2, 8192)
     """
-    offload_options = {"offload": offload, "host_budget": check_offload_args(offload, host_budget),
-                       "compiled": is_compiled_module(model)}
+    offload_options: dict[str, Any] = {"offload": offload, "host_budget": check_offload_args(offload, host_budget),
+                                       "compiled": is_compiled_module(model)}
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     check_loss_head_arg(model, loss_head)
     options = {"loss_head": loss_head, "pieces": pieces, "batch_slices": check_batch_slices(batch_slices)}
