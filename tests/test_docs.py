@@ -73,3 +73,18 @@ def test_planner_md_loss_head_example_runs_as_written(tmp_path: Path, monkeypatc
     assert plan.loss_head == {"path": "lm_head", "chunk_tokens": 256}
     report = namespace["torchckpt"].verify_plan(namespace["model"], plan, namespace["batch"])
     assert report.within_budget and report.gradients_equal and report.rounding_only == ("lm_head.weight",)
+
+
+@pytest.mark.slow  # 21 s: profiles gpt("mini") with offload; offload plans are verified in the fast tier
+# (tests/planner/test_offload_plans.py)
+def test_planner_md_offload_example_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/planner.md's offload example: a plan at every block's peak that offloads, verified bitwise."""
+    section = (DOCS / "planner.md").read_text().split("## Offload: keep, recompute, or move to host memory", 1)[1]
+    block = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(block, str(DOCS / "planner.md"), "exec"), namespace)  # noqa: S102 - our own docs
+    plan, report = namespace["plan"], namespace["report"]
+    assert plan.offload and "offloaded to host" in str(plan)
+    assert report.within_budget and report.gradients_equal and report.buffers_equal
+    assert report.measured_host_peak_bytes == report.predicted_host_peak_bytes > 0
