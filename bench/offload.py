@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness.models import REGIME_MODELS, get_model
-from harness.provenance import run_record, write_results
 
 import torchckpt
+from harness.models import REGIME_MODELS, get_model
+from harness.provenance import run_record, write_results
 from torchckpt.planner import solve
 from torchckpt.planner.from_costs import no_checkpointing_schedule
 
@@ -72,7 +72,8 @@ def measure(name: str, copy_share: float) -> dict[str, Any]:
     for label, share in _SHARES:
         budget = int(costs.every_block_peak_bytes + share * (plain - costs.every_block_peak_bytes))
         runs[label] = _verified(model, inputs, optimizer, priced.plan(budget))
-    runs["the floor with offload"] = _verified(model, inputs, optimizer, priced.plan(result["floor_with_offload_bytes"]))
+    floor_plan = priced.plan(result["floor_with_offload_bytes"])
+    runs["the floor with offload"] = _verified(model, inputs, optimizer, floor_plan)
     result["runs"] = runs
     return result
 
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         results["models"].append(entry)
         for label, run in entry["runs"].items():
             print(f"{name} {label}: {run['offloaded_blocks']}/{run['blocks']} offloaded; peak measured "
-                  f"{run['measured_peak_bytes']} predicted {run['predicted_peak_bytes']} ({run['prediction_error']:+.2%}); "
+                  f"{run['measured_peak_bytes']} predicted {run['predicted_peak_bytes']} "
+                  f"({run['prediction_error']:+.2%}); "
                   f"host {run['measured_host_peak_bytes']}/{run['predicted_host_peak_bytes']}; gradients "
                   f"{'bitwise' if run['gradients_equal'] else 'DIFFER'}", flush=True)
         print(f"{name}: floor with offload {entry['floor_with_offload_over_every_block']:.2f}x every block's peak",

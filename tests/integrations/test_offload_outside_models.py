@@ -11,24 +11,92 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
+from typing import Any
 
 import pytest
 import torch
-from outside_models import BUILDERS, NEEDS
+from outside_models import BUILDERS, NEEDS, Case
 
 import torchckpt
+from torchckpt.models import gpt
 from torchckpt.planner import solve
+from torchckpt.planner.from_costs import plan_pieces
 
-pytestmark = pytest.mark.slow
+_KINDS = ("plain", "offload", "nothing", "nested")
 
 
-@pytest.mark.parametrize("name", sorted(BUILDERS))
-def test_offloading_plans_hold_on_outside_models(name: str) -> None:
+def _case(name: str) -> Case:
     package = NEEDS.get(name, "transformers")
     if package is not None and importlib.util.find_spec(package) is None:
         pytest.skip(f"{name} needs {package}")
     torch.manual_seed(0)
-    case = BUILDERS[name]()
+    return BUILDERS[name]()
+
+
+def _option(menu: tuple, kind: str) -> int | None:
+    for k, option in enumerate(menu):
+        if (kind == "plain" and option.plain and not option.offload) or (kind == "offload" and option.offload) or \
+                (kind == "nested" and option.nested) or (kind == "nothing" and k == len(menu) - 1):
+            return k
+    return None
+
+
+def _mixes_hold(model: Any, inputs: Any, loss_fn: Any, mixes: list[tuple[str, ...]]) -> None:
+    """Each mix of plain, offloaded, recomputed and nested blocks, as a plan: predicted at or above its measured peak
+    (the measured schedules' context, the inputs an offloaded block leaves alive, differ in a mix: ResNet's final
+    ReLU saves its output, HF keeps the embeddings' output through the forward pass), host bytes as predicted,
+    gradients and buffers bitwise."""
+    optimizer = torch.optim.AdamW(model.parameters())
+    costs = torchckpt.profile(model, inputs, loss_fn=loss_fn, optimizer=optimizer, offload=True, loss_head=False)
+    menus = [solve.block_menu(block) for block in costs.blocks]
+    template = costs.plan(costs.every_block_peak_bytes)
+    for kinds in mixes:
+        options = [_option(menu, kind) for menu, kind in zip(menus, kinds)]
+        if None in options:
+            continue
+        schedule = tuple(solve.Single(i, k) for i, k in enumerate(options) if k is not None)
+        peak, _ = solve.evaluate(costs, schedule)
+        host = solve.schedule_host_bytes(costs, schedule)
+        offload = {"window_bytes": 0, "host_budget_bytes": 1 << 40, "predicted_host_peak_bytes": host,
+                   "inputs": int(costs.chain)} if host else {}
+        plan = dataclasses.replace(template, schedule=plan_pieces(schedule, menus, costs), predicted_peak_bytes=peak,
+                                   budget_bytes=peak, offload=offload)
+        report = torchckpt.verify_plan(model, plan, inputs, loss_fn=loss_fn, optimizer=optimizer)
+        assert report.measured_peak_bytes <= peak, (kinds, report.table())
+        assert report.measured_host_peak_bytes == host, kinds
+        assert report.gradients_equal and report.buffers_equal, (kinds, report.table())
+
+
+def test_mixes_of_offload_and_recompute_are_predicted_at_or_above_their_peaks() -> None:
+    torch.manual_seed(0)
+    model = gpt("tiny", dropout=0.1)
+    mixes = [("plain", "offload"), ("offload", "plain"), ("nothing", "offload"), ("offload", "nested")]
+    _mixes_hold(model, model.example_batch(batch_size=2, seq_len=32), None, mixes)
+
+
+@pytest.mark.slow  # 17 s; four of them in the fast tier above
+def test_every_mix_on_the_projects_gpt() -> None:
+    torch.manual_seed(0)
+    model = gpt("tiny", dropout=0.1)
+    _mixes_hold(model, model.example_batch(batch_size=4, seq_len=64), None, list(itertools.product(_KINDS, repeat=2)))
+
+
+@pytest.mark.slow  # 20-60 s a model; the project's GPT in the fast tier above
+@pytest.mark.parametrize("name", ["llama", "roberta", "resnet", "unet", "gpt2"])
+def test_mixes_hold_on_outside_models(name: str) -> None:
+    case = _case(name)
+    n = len(case.blocks)
+    mixes = [tuple(kind for _ in range(n)) for kind in _KINDS]
+    mixes += [tuple(_KINDS[(i + shift) % 4] for i in range(n)) for shift in range(4)]
+    mixes += [tuple(("plain", "offload")[(i + shift) % 2] for i in range(n)) for shift in range(2)]
+    _mixes_hold(case.model, case.inputs, case.loss_fn, mixes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_offloading_plans_hold_on_outside_models(name: str) -> None:
+    case = _case(name)
     costs = torchckpt.profile(case.model, case.inputs, loss_fn=case.loss_fn, offload=True)
     fast = dataclasses.replace(costs, blocks=tuple(dataclasses.replace(b, offload_time_s=0.05 * b.forward_time_s)
                                                    for b in costs.blocks))

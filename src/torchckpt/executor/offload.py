@@ -7,10 +7,11 @@ the backward pass gets them back, bitwise, from the host copy. Nothing is recomp
 Rules (named in ``docs/design.md``):
 
 1. **[what is offloaded]** Every tensor autograd saves inside the function, except: tensors on another device;
-   the storages of the function's own tensor arguments (the block's input stays where the plan holds it);
-   and the storages of the module's parameters and buffers (they live through the step anyway). A storage is
-   copied once, whole, however many views of it are saved, and restored as views of one device copy, so the
-   device bytes of the backward pass are the plain step's.
+   the storages of the module's parameters and buffers (they live through the step anyway); and, unless
+   ``offload_inputs``, the storages of the function's own tensor arguments (a block's input, which a plan may
+   hold anyway). With ``offload_inputs`` a saved input goes too, so the device frees it once its caller lets go.
+   A storage is copied once, whole, however many views of it are saved, and restored as views of one device
+   copy, so the device bytes of the backward pass are the plain step's.
 2. **[device copies leave at the block's end]** The device storages stay referenced until the function
    returns, so an address is never reused under a live copy and a storage is copied once; then the device
    references are dropped (on CUDA after the side stream's copies are waited on). Meanwhile the device holds
@@ -95,6 +96,7 @@ class Offloader:
         module: the model whose parameters and buffers are never offloaded.
         window_bytes: how far ahead of use the backward pass brings copies back ([bring back ahead, ...]).
         host_limit_bytes: the most host bytes alive at once ([over the host limit, a tensor stays]); None: no limit.
+        offload_inputs: also offload what autograd saves of the function's tensor arguments ([what is offloaded]).
 
     Example:
         >>> block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
@@ -106,7 +108,7 @@ class Offloader:
     """
 
     def __init__(self, device: torch.device | str, module: nn.Module | None = None, *, window_bytes: int = 0,
-                 host_limit_bytes: int | None = None) -> None:
+                 host_limit_bytes: int | None = None, offload_inputs: bool = False) -> None:
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"Offloader(device={device!r}): offload moves CPU (a second, counted pool) or CUDA "
@@ -118,11 +120,15 @@ class Offloader:
         for name, value in (("window_bytes", window_bytes), ("host_limit_bytes", host_limit_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"Offloader({name}=...) must be an int >= 0 (bytes); got {value!r}")
+        if not isinstance(offload_inputs, bool):
+            raise TypeError(f"Offloader(offload_inputs=...) must be True or False; got {offload_inputs!r}")
         self.module = module
+        self.offload_inputs = offload_inputs
         self.window_bytes = window_bytes
         self.host_limit_bytes = host_limit_bytes
         self.offloaded_bytes = 0  # host bytes copied out, over the offloader's life
         self.refused_bytes = 0  # bytes kept on the device by the host limit
+        self.last_copied: frozenset[int] = frozenset()  # device addresses of the storages the last run copied
         self._order: list[weakref.ref] = []  # copies in pack order (this step's)
         self._ahead = 0  # bytes brought back ahead of use and not yet used
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -132,7 +138,7 @@ class Offloader:
         """Call ``fn(*args, **kwargs)`` with what autograd saves inside offloaded; returns its output."""
         if not callable(fn):
             raise TypeError(f"Offloader.run(fn, ...): fn must be callable; got {type(fn).__name__}")
-        skip = self._kept_storages(tree_flatten((args, kwargs))[0])
+        skip = self._kept_storages([] if self.offload_inputs else tree_flatten((args, kwargs))[0])
         pending: dict[int, tuple[_Copy, torch.Tensor]] = {}  # data_ptr -> copy, device tensor (rule 2)
         if not any(ref() is not None for ref in self._order):
             self._order, self._ahead = [], 0  # a new step: last step's copies are all gone
@@ -146,6 +152,7 @@ class Offloader:
         finally:
             if self._side is not None and pending:
                 torch.cuda.current_stream(self.device).wait_stream(self._side)
+            self.last_copied = frozenset(pending)
             pending.clear()  # rule 2: the device references go
 
     def _kept_storages(self, values: Iterable[Any]) -> set[int]:

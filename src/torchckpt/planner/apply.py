@@ -74,7 +74,8 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
     wrapped: list[nn.Module] = []
     watch = LayoutWatch(plan)  # planner/layout.py's [a plan names the layout it was made for]
     offloader = Offloader(device_of(model), model, window_bytes=plan.offload.get("window_bytes", 0),
-                          host_limit_bytes=plan.offload.get("host_budget_bytes")) if offloaded else None
+                          host_limit_bytes=plan.offload.get("host_budget_bytes"),
+                          offload_inputs=bool(plan.offload.get("inputs", 0))) if offloaded else None
     for piece in plan.schedule:
         if isinstance(piece, PlannedRegion):
             wrap_region(piece, blocks, wrapped, watch)

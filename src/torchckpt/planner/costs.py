@@ -121,10 +121,12 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
    which then holds one slice's transients, peaks at ``x_i + nested_forward_peak_bytes_i (+ g)`` of [forward
    peak] (measured in the same step) instead of ``forward_peak_bytes_i``.
 12. **[offloaded blocks]** A block may run plainly with the activations its forward pass saves moved to host
-   memory (executor/offload.py), nothing recomputed. It then holds, after its forward pass, its input as a plain
-   block does plus ``offload_held_bytes`` (measured in a step with every block so run: what its forward pass
+   memory (executor/offload.py), nothing recomputed; what it saves of its input moves too. It then holds, after its
+   forward pass, its input only if ``offload_input_held`` (measured in a step with every block so run: the input
+   still alive when the block's backward pass begins, as ``input_held_when_plain`` is read) plus
+   ``offload_held_bytes`` (measured in the same step: what its forward pass
    leaves on the device beyond its output; -1: not measured, no such option); its forward pass peaks as a plain
-   block's, and its backward pass at ``C + H + x_i (if held when plain) + offload_held_bytes_i +
+   block's, and its backward pass at ``C + H + x_i (if held so) + offload_held_bytes_i +
    offload_backward_peak_bytes_i (+ y_i unless i is n-1)`` plus ``offload["window_bytes"]`` (copies brought back
    ahead of use), the residue measured in the same step as with the other rules (-1: not measured; the plain
    block's backward terms then count, an over-count, as copies come back only as they are used). It holds
@@ -253,6 +255,7 @@ class BlockCosts:
     offload_host_bytes: int = 0  # rule 12: host bytes its offloaded activations take
     offload_time_s: float = 0.0  # rule 12: the offload's visible time per step
     offload_backward_peak_bytes: int = -1  # rule 12: its backward pass's residue when offloaded; -1: not measured
+    offload_input_held: bool = True  # rule 12: its input still alive at its backward pass when offloaded (measured)
 
     @property
     def checkpoint_held_bytes(self) -> int:
@@ -269,6 +272,9 @@ class BlockCosts:
         if not isinstance(self.plain_only, str):
             raise ValueError(f"BlockCosts({self.name!r}).plain_only must be a str (a reason, or ''); got "
                              f"{self.plain_only!r}")
+        if not isinstance(self.offload_input_held, bool):
+            raise ValueError(f"BlockCosts({self.name!r}).offload_input_held must be a bool; got "
+                             f"{self.offload_input_held!r}")
         for name in ("offload_held_bytes", "offload_backward_peak_bytes"):
             held = getattr(self, name)
             if isinstance(held, bool) or not isinstance(held, int) or held < -1:

@@ -259,7 +259,7 @@ def offload_entry(costs: CostModel, solution: solver.Solution) -> dict[str, int]
         return {}
     return {"window_bytes": int(costs.offload["window_bytes"]),
             "host_budget_bytes": int(costs.offload["host_budget_bytes"]),
-            "predicted_host_peak_bytes": int(solution.host_bytes)}
+            "predicted_host_peak_bytes": int(solution.host_bytes), "inputs": int(costs.chain)}
 
 
 def head_options(costs: CostModel) -> list[tuple[CostModel, dict[str, Any]]]:

@@ -18,7 +18,16 @@ Rules (costs.py's [offloaded blocks] is the peak model these figures feed):
 3. **[offload where it can run]** Offload is not planned under DDP or FSDP2 yet, nor for a model run under
    ``torch.compile`` (its saved-tensor hooks would run where the compiled graphs do not call them);
    ``notes["offload"]`` says why, and the plan has no offload option.
-4. **[a default host budget]** ``host_budget=None`` takes half the host memory available when profiling
+4. **[inputs move only along a chain]** Along a chain (``costs.chain``) what a block saves of its input is
+   offloaded too (``Offloader(offload_inputs=True)``), and its input counts as held (``offload_input_held``) when
+   the measured step finds it alive when the block's backward pass begins or when the last block's forward pass
+   ends (HF keeps the embeddings' output in a local variable through the whole forward pass, so a later block's
+   forward peak sees it though no backward pass does), or when the block before it saves its own output (a final
+   ReLU), which stays on the device wherever a plan runs that block plainly. The backward residue is read against
+   what the measured step had alive. Where the code between blocks keeps tensors (a U-Net's skips,
+   ``chain=False``), a block's ``x_i`` also counts what that code keeps, which offloading the input cannot free:
+   the inputs stay on the device there and ``offload_input_held`` is the plain step's ``input_held_when_plain``.
+5. **[a default host budget]** ``host_budget=None`` takes half the host memory available when profiling
    (``MemAvailable``; 4 GiB where it cannot be read): what plans may keep in host buffers at once. On the CPU
    the window of copies brought back ahead is 0 (a copy back cannot overlap compute there); on CUDA it is a
    quarter of the largest block's host bytes, at most 256 MiB.
@@ -29,6 +38,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -124,19 +134,31 @@ class offloaded_blocks:  # noqa: N801 - used as a context manager, like a functi
     """
 
     def __init__(self, model: nn.Module, blocks: list[nn.Module], window_bytes: int = 0,
-                 host_limit_bytes: int | None = None) -> None:
+                 host_limit_bytes: int | None = None, offload_inputs: bool = True) -> None:
         device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
-        self.offloader = Offloader(device, model, window_bytes=window_bytes, host_limit_bytes=host_limit_bytes)
+        self.offloader = Offloader(device, model, window_bytes=window_bytes, host_limit_bytes=host_limit_bytes,
+                                   offload_inputs=offload_inputs)
         self.blocks = blocks
         self.host_bytes = [0] * len(blocks)
+        self.inputs_alive_at_forward_end = [False] * len(blocks)  # [inputs move only along a chain]
+        self.saves_own_output = [False] * len(blocks)  # ... the block saves its output (a final ReLU does)
+        self._inputs: list[weakref.ref | None] = [None] * len(blocks)
         self._wrapped: list[nn.Module] = []
 
     def _call(self, index: int, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         before = self.offloader.offloaded_bytes
+        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+        self._inputs[index] = weakref.ref(first.untyped_storage()) if first is not None else None
         try:
-            return self.offloader.run(forward, *args, **kwargs)
+            output = self.offloader.run(forward, *args, **kwargs)
+            hidden = output[0] if isinstance(output, tuple) and output else output
+            self.saves_own_output[index] = isinstance(hidden, torch.Tensor) and \
+                hidden.untyped_storage().data_ptr() in self.offloader.last_copied
+            return output
         finally:
             self.host_bytes[index] += self.offloader.offloaded_bytes - before
+            if index == len(self.blocks) - 1:  # the blocks' forward passes are over: what is still alive?
+                self.inputs_alive_at_forward_end = [ref is not None and ref() is not None for ref in self._inputs]
 
     def __enter__(self) -> offloaded_blocks:
         for i, block in enumerate(self.blocks):
@@ -156,7 +178,8 @@ def _modelled_s(costs: ChainCosts, host: list[int], out_rate: float, back_rate: 
     return modelled
 
 
-def _held_and_backward(costs: ChainCosts, probe: Probe) -> list[tuple[int, int]]:
+def _held_and_backward(costs: ChainCosts, probe: Probe, alive_at_end: list[bool],
+                       saves_output: list[bool]) -> list[tuple[int, int, bool]]:
     """Per block, from the step with every block offloaded: what its forward pass leaves on the device beyond its
     output, and its backward pass's peak less what costs.py's [offloaded blocks] counts besides it (``C + H``, its
     input when held, what it left, the incoming gradient), as profile.py's other residues are read."""
@@ -165,9 +188,14 @@ def _held_and_backward(costs: ChainCosts, probe: Probe) -> list[tuple[int, int]]
     last_output, held, out = blocks[-1].output_bytes, 0, []
     for i, (block, trace) in enumerate(zip(blocks, probe.traces)):
         left = max(0, trace.after_forward - trace.before_forward - trace.output_bytes)
-        own = (block.input_bytes if block.input_held_when_plain else 0) + left
+        alive = trace.input_alive_at_backward if costs.chain else block.input_held_when_plain
+        # what the model counts: alive in the measured step, alive when the forward pass ends, or the previous block
+        # saves its own output, which stays on the device wherever a plan runs that block plainly
+        counted = (alive or alive_at_end[i] or (i > 0 and saves_output[i - 1])) if costs.chain else alive
+        own = (block.input_bytes if alive else 0) + left  # the residue is read against what the step had alive
         incoming = 0 if i == n - 1 else block.output_bytes
-        out.append((left, max(0, (trace.backward_peak or 0) - (fixed + last_output + held + own + incoming))))
+        out.append((left, max(0, (trace.backward_peak or 0) - (fixed + last_output + held + own + incoming)),
+                    counted))
         held += own
     return out
 
@@ -199,7 +227,8 @@ def measure_offload(runner: StepRunner, block_list: list[nn.Module], costs: Chai
     out_rate, back_rate = measure_bandwidth(device)
     limit = host_budget if host_budget is not None else _available_host_bytes() // 2
     runner.clear_grads()
-    with offloaded_blocks(runner.model, block_list, host_limit_bytes=limit) as measured:
+    inputs = costs.chain  # [inputs move only along a chain]
+    with offloaded_blocks(runner.model, block_list, host_limit_bytes=limit, offload_inputs=inputs) as measured:
         probe = measure_step(runner, block_list, record_ops=False)
     runner.clear_grads()
     if measured.offloader.refused_bytes:
@@ -208,7 +237,7 @@ def measure_offload(runner: StepRunner, block_list: list[nn.Module], costs: Chai
         return replace(costs, notes={**costs.notes, "offload": why}, offload={"note": why})
     plain_s, offloaded_s = costs.step_time_s, float("inf")
     for _ in range(2):  # interleaved, the least of each: one noisy step would set the scale for every block
-        with offloaded_blocks(runner.model, block_list):
+        with offloaded_blocks(runner.model, block_list, offload_inputs=inputs):
             offloaded_s = min(offloaded_s, timed_step(runner))
         plain_s = min(plain_s, timed_step(runner))
     host = measured.host_bytes
@@ -219,9 +248,10 @@ def measure_offload(runner: StepRunner, block_list: list[nn.Module], costs: Chai
     if extra > 0 and sum(modelled) == 0:
         modelled = [extra * n / max(1, sum(host)) for n in host]
     blocks = tuple(replace(block, offload_held_bytes=held, offload_backward_peak_bytes=backward,
-                           offload_host_bytes=nbytes, offload_time_s=seconds * scale)
-                   for block, (held, backward), nbytes, seconds in zip(costs.blocks, _held_and_backward(costs, probe),
-                                                                       host, modelled))
+                           offload_input_held=input_held, offload_host_bytes=nbytes, offload_time_s=seconds * scale)
+                   for block, (held, backward, input_held), nbytes, seconds in zip(
+                       costs.blocks, _held_and_backward(costs, probe, measured.inputs_alive_at_forward_end,
+                                                        measured.saves_own_output), host, modelled))
     window = min(_MAX_WINDOW, max(host) // 4) if cuda else 0
     note = (f"every block offloaded measured {format_bytes(sum(host))} on the host, {extra:+.3f} s a step; copies at "
             f"{format_bytes(out_rate)}/s out, {format_bytes(back_rate)}/s back")

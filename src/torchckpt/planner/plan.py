@@ -41,7 +41,7 @@ FORMAT_VERSION = 4
 _WITHOUT_LOSS_HEAD_VERSION = 1
 _WITHOUT_SLICES_VERSION = 2
 _WITHOUT_OFFLOAD_VERSION = 3
-_OFFLOAD_KEYS = ("window_bytes", "host_budget_bytes", "predicted_host_peak_bytes")
+_OFFLOAD_KEYS = ("window_bytes", "host_budget_bytes", "predicted_host_peak_bytes", "inputs")
 
 
 class PlanMismatchError(ValueError):
@@ -223,8 +223,9 @@ class Plan:
         micro_batches: backward passes per optimizer step (gradient accumulation) the plan was measured for;
             its peaks hold on every micro-batch (Note: [a later micro-batch peaks highest]).
         offload: empty, or, for a plan with offloaded blocks (``PlannedBlock.offload``), the executor's
-            ``window_bytes`` and ``host_budget_bytes`` and the plan's ``predicted_host_peak_bytes`` (costs.py's
-            [offloaded blocks]).
+            ``window_bytes`` and ``host_budget_bytes``, the plan's ``predicted_host_peak_bytes``, and ``inputs`` (1:
+            what a block saves of its input is offloaded too; planner/offload_step.py's [inputs move only along a
+            chain]) (costs.py's [offloaded blocks]).
     """
 
     budget_bytes: int

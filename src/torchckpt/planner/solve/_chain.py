@@ -73,6 +73,8 @@ class Chain:
         if not option.plain:
             return self.region_held_bytes(block)
         b = self.costs.blocks[block]
+        if option.offload:  # costs.py's [offloaded blocks]: what it saves of its input moved too
+            return b.input_bytes if b.offload_input_held else 0
         return b.input_bytes if b.input_held_when_plain else 0
 
     def region_held_bytes(self, start: int) -> int:
