@@ -22,7 +22,7 @@ from torch import nn
 from torchckpt._optional import install_hint
 from torchckpt.cli import COMMANDS
 from torchckpt.models import MODELS, BatchShape, load_model
-from torchckpt.train.status import Status, block_ticks
+from torchckpt.train.status import reported
 
 __all__ = ["CommandLineError", "register", "select_blocks"]
 
@@ -130,9 +130,8 @@ def _profiled(args: argparse.Namespace, action: str) -> Any:
     except (ImportError, SyntaxError) as error:  # the user's file: one line, as for --loss
         raise CommandLineError(f"--model {args.model}: importing failed: {type(error).__name__}: {error}") from None
     blocks = resolve_blocks(model, select_blocks(model, args.blocks) if args.blocks else "auto")
-    with Status(f"torchckpt {action}: {args.model}") as status, block_ticks(blocks, status):
-        costs = profile(model, batch, blocks=blocks, loss_fn=loss_fn, step_fn=step_fn, batch_slices=args.batch_slices,
-                        progress=status.update)
+    with reported(f"torchckpt {action}: {args.model}") as status:  # each phase, block and solving, on stderr
+        costs = profile(model, batch, blocks=blocks, loss_fn=loss_fn, step_fn=step_fn, batch_slices=args.batch_slices)
         status.update("solving")
         paths = block_paths(model, blocks)
         identity = fingerprint(model, batch, paths)
