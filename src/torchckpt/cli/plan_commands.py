@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from torchckpt._optional import install_hint
+from torchckpt._progress import phase
 from torchckpt.cli import COMMANDS
 from torchckpt.models import MODELS, BatchShape, load_model
 from torchckpt.train.status import reported
@@ -130,9 +131,9 @@ def _profiled(args: argparse.Namespace, action: str) -> Any:
     except (ImportError, SyntaxError) as error:  # the user's file: one line, as for --loss
         raise CommandLineError(f"--model {args.model}: importing failed: {type(error).__name__}: {error}") from None
     blocks = resolve_blocks(model, select_blocks(model, args.blocks) if args.blocks else "auto")
-    with reported(f"torchckpt {action}: {args.model}") as status:  # each phase, block and solving, on stderr
+    with reported(f"torchckpt {action}: {args.model}"):  # each phase, block and solving, on stderr
         costs = profile(model, batch, blocks=blocks, loss_fn=loss_fn, step_fn=step_fn, batch_slices=args.batch_slices)
-        status.update("solving")
+        phase("solving")
         paths = block_paths(model, blocks)
         identity = fingerprint(model, batch, paths)
         front = None

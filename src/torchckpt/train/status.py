@@ -124,9 +124,9 @@ class Status:
 
 
 @contextmanager
-def reported(prefix: str, *, live: bool | None = None, stream: TextIO | None = None,
-             every_s: float = 2.0) -> Iterator[Status]:
-    """A ``Status`` that the library's reports go to, inside the block.
+def reported(prefix: str, *, live: bool | None = None, stream: TextIO | None = None, every_s: float = 2.0,
+             quiet: bool = False) -> Iterator[Status | None]:
+    """A ``Status`` that the library's reports go to, inside the block (``quiet``: none, the reports go nowhere).
 
     Example:
         >>> import io
@@ -137,5 +137,9 @@ def reported(prefix: str, *, live: bool | None = None, stream: TextIO | None = N
         >>> [line.split("] ", 1)[1] for line in out.getvalue().splitlines()]
         ['x: solving', 'x: done']
     """
+    if quiet:
+        with reporting(None):
+            yield None
+        return
     with Status(prefix, stream=stream, live=live, every_s=every_s) as status, reporting(status):
         yield status
