@@ -110,7 +110,7 @@ class PlainDisplay(Display):
             >>> out = io.StringIO(); display = PlainDisplay(stream=out, every_s=0.0)
             >>> display(Progress("saving step 3")); display(Progress("saving step 3", 1024, 2048, "bytes"))
             >>> out.getvalue()
-            'saving step 3: 1.00 KiB of 2.00 KiB\n'
+            'saving step 3: 1.00 KiB of 2.00 KiB\\n'
         """
         now = time.monotonic()
         if report.done is None:
