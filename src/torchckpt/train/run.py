@@ -122,7 +122,7 @@ def _measure_baselines(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor
     of one step with each of those blocks under ``torch.utils.checkpoint`` (torch's own one-liner, the peer a
     budget below it is measured against) ([planning never changes the run])."""
     baselines: dict[str, float] = {}
-    phase("measuring the peers: no checkpointing" + (", every block under torch.utils.checkpoint" if every_block else ""))
+    phase("measuring the peers: no checkpointing" + (", every block under torch's checkpoint" if every_block else ""))
     with preserved_state(model):
         model.train()
         throwaway = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
