@@ -25,10 +25,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from harness.provenance import run_record, write_results
-
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -59,6 +55,8 @@ def _profile_case(size: str, batch_size: int, seq_len: int) -> Callable[[bool, A
 
 
 def _state_case(megabytes: int, folder: str) -> Callable[[bool, Any], dict[str, float]]:
+    import torch
+
     from torchckpt import Checkpointer
 
     model = torch.nn.Linear(1024, megabytes * 256)  # 4 KiB per output feature: megabytes MiB of weights
@@ -104,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", default=str(RESULTS))
     parser.add_argument("--name", default="progress_overhead.json", help="results file name")
     args = parser.parse_args(argv)
+    import torch  # after the options: --help starts in a moment
+
+    from harness.provenance import run_record, write_results
+
     rounds = args.rounds or (2 if args.quick else 7)
     gpt_size, batch_size, seq_len, megabytes = ("tiny", 2, 32, 20) if args.quick else ("mini", 8, 256, 512)
     torch.set_num_threads(1)
