@@ -288,6 +288,7 @@ class _ModelBench:
                     self.live.remove((run, process))
                     continue
                 run["step_s"].append(answer["step_s"])
+                self.log(f"    {run['label']}: {answer['step_s']:.3f} s")
                 run["peak_rss_bytes_all"].append(answer["peak_rss_bytes"])
                 run["rss_before_bytes_all"].append(answer["rss_before_bytes"])
 

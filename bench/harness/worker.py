@@ -22,6 +22,7 @@ Fairness rules kept here (bench/README.md lists them all; named in ``docs/design
 from __future__ import annotations
 
 import json
+import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -32,6 +33,7 @@ import torch
 
 import torchckpt
 from torchckpt._host import host_bytes
+from torchckpt._progress import phase
 from torchckpt.memory import MemoryMeter
 from torchckpt.memory.rss import read_rss_bytes, reset_peak_rss
 from torchckpt.planner import StepRunner, block_paths
@@ -198,6 +200,7 @@ def make_plans(model_name: str, peer_budgets: dict[str, int], sweep_points: int,
     plans = []
     for i, (label, budget) in enumerate(budgets.items()):
         item: dict[str, Any] = {"label": label, "budget_bytes": int(budget)}
+        phase(f"solving for {label} ({i + 1}/{len(budgets)})")
         start = time.perf_counter()
         try:
             made = plan_from_costs(costs, int(budget), block_paths=paths, model_fingerprint=model_print)
@@ -220,9 +223,13 @@ def make_plans(model_name: str, peer_budgets: dict[str, int], sweep_points: int,
 
 def planner_worker(conn: Connection, model_name: str, peer_budgets: dict[str, int], sweep_points: int,
                    out_dir: str, threads: int) -> None:
-    """Process entry point: :func:`make_plans`, answered as ``("ok", result)`` or ``("error", message)``."""
+    """Process entry point: :func:`make_plans`, answered as ``("ok", result)`` or ``("error", message)``; its
+    phases (each profiling step, each budget solved) as plain lines on stdout, beside the benchmark's log."""
+    from torchckpt.train.status import reported
+
     torch.set_num_threads(threads)
     try:
-        conn.send(("ok", make_plans(model_name, peer_budgets, sweep_points, out_dir)))
+        with reported(f"  {model_name}: planning", live=False, stream=sys.stdout):
+            conn.send(("ok", make_plans(model_name, peer_budgets, sweep_points, out_dir)))
     except Exception as error:  # noqa: BLE001 - recorded as "planner: <error>"
         conn.send(("error", _short_error(error)))

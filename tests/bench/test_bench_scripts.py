@@ -37,8 +37,22 @@ def test_sharded_io_times_parts_that_exist() -> None:
 
 
 @pytest.mark.parametrize("script", ["state/sharded_kill_soak.py", "compiled.py", "sharded_io.py",
-                                    "state/kill9_soak.py"])
+                                    "state/kill9_soak.py", "progress_overhead.py"])
 def test_script_starts(script: str) -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.slow  # two rounds of a tiny profile and a 20 MiB save + restore each way (~30 s on 2 busy cores)
+def test_progress_overhead_quick_writes_both_modes(tmp_path: Path) -> None:
+    import json
+
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "progress_overhead.py"), "--quick", "--out-dir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cases = json.loads((tmp_path / "progress_overhead.json").read_text())["cases"]
+    assert sorted(cases) == ["profile", "save + restore"]
+    for row in cases.values():
+        assert row["on"]["wall_s"]["median"] > 0 and row["off"]["wall_s"]["median"] > 0
+    assert set(cases["profile"]["on"]) == {"wall_s", "step_time_s", "every_block_step_time_s"}

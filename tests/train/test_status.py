@@ -1,36 +1,71 @@
-"""Long work is never silent: the planner's steps and each block's forward pass show as plain lines in a log."""
+"""The status line the commands draw for long work: plain lines in a log, throttled, and never silent."""
 
 from __future__ import annotations
 
 import io
+import threading
 
-from torchckpt.models import gpt
-from torchckpt.planner import profile
-from torchckpt.train.status import Status, block_ticks
-
-
-def test_profiling_shows_each_step_and_each_block_in_plain_lines() -> None:
-    model = gpt("tiny")
-    batch = model.example_batch(batch_size=2, seq_len=16)
-    out = io.StringIO()
-    with Status("gpt-tiny", stream=out, live=False, every_s=0.0) as status, block_ticks(list(model.blocks), status):
-        profile(model, batch, blocks=list(model.blocks), progress=status.update, regions=False, loss_head=False,
-                pieces=False)  # steps 1-4 only: short
-        status.update("solving")
-    lines = [line.split("] gpt-tiny: ", 1)[1] for line in out.getvalue().splitlines()]
-    assert lines[0] == "starting" and lines[-2:] == ["solving", "done"]
-    step_1 = lines.index("profiling step 1: 2 blocks, every block recomputed")
-    step_2 = next(i for i, line in enumerate(lines) if line.startswith("profiling step 2"))
-    ticks = lines[step_1 + 1:step_2]  # step 1: each block's forward pass (recomputation calls no hook)
-    assert ticks == [f"{lines[step_1]}: block 1/2", f"{lines[step_1]}: block 2/2"]
-    assert not any(hasattr(block, "_forward_pre_hooks") and block._forward_pre_hooks for block in model.blocks)
+from torchckpt._progress import Progress, advance, phase, reporting
+from torchckpt.train.status import Status, reported
 
 
-def test_plain_lines_are_throttled_but_each_new_step_shows() -> None:
+def _texts(out: io.StringIO) -> list[str]:
+    return [line.split("] ", 1)[1] for line in out.getvalue().splitlines()]
+
+
+def test_plain_lines_are_throttled_but_each_new_phase_shows() -> None:
     out = io.StringIO()
     with Status("x", stream=out, live=False, every_s=3600.0) as status:
-        status.update("one")
-        status.tick("block 1/9")  # within the hour since the last line: not shown
-        status.update("two")
-    assert [line.split("] ", 1)[1] for line in out.getvalue().splitlines()] == ["x: starting", "x: one", "x: two",
-                                                                               "x: done"]
+        status(Progress("one"))
+        status(Progress("", 1, 9, "blocks"))  # within the hour since the last line: not shown
+        status(Progress("two"))
+        status(Progress("two", 5, 10, "bytes"))  # not shown either
+    assert _texts(out) == ["x: one", "x: two", "x: done"]
+
+
+def test_every_tick_shows_with_every_s_zero_and_quick_work_prints_nothing() -> None:
+    out = io.StringIO()
+    with reported("x", live=False, stream=out, every_s=0.0):
+        phase("saving step 3")
+        advance("saving step 3", 1024, 2048, "bytes")
+        advance("", 2, 2, "blocks")  # "": a count of the phase that started last
+    assert _texts(out) == ["x: saving step 3", "x: saving step 3: 1.00 KiB of 2.00 KiB", "x: saving step 3: block 2/2",
+                           "x: done"]
+    quiet = io.StringIO()
+    with reported("x", live=False, stream=quiet):
+        pass
+    assert quiet.getvalue() == ""  # nothing reported, nothing waited for: no line at all
+
+
+def test_a_silent_phase_is_still_told_about() -> None:
+    """A phase that reports nothing more (a timed step) gets a line from the status's own thread."""
+    out = io.StringIO()
+    told = threading.Event()
+
+    class Stream(io.StringIO):
+        def write(self, text: str) -> int:
+            if "still running" in text:
+                told.set()
+            return out.write(text)
+
+    with reported("x", live=False, stream=Stream(), every_s=0.0):
+        phase("timing a plain step")
+        assert told.wait(30)  # the heartbeat comes about a second later; the bound only stops a hang
+    assert _texts(out)[0] == "x: timing a plain step"
+    assert _texts(out)[1].startswith("x: timing a plain step: still running (")
+
+
+def test_quiet_ranks_report_to_nobody() -> None:
+    seen: list[Progress] = []
+    with reporting(seen.append), reported("x", quiet=True) as status:
+        phase("profiling step 1")
+    assert status is None and seen == []
+
+
+def test_a_live_line_never_reads_markup() -> None:
+    """A path from disk may hold "[bold]": the live line shows it as written (rich Text, not markup)."""
+    with Status("x", stream=io.StringIO(), live=True) as status:
+        status(Progress("reading /runs/[bold]odd[/bold]"))
+        status(Progress("reading /runs/[bold]odd[/bold]", 1, 2, "bytes"))
+        shown = status._rich.status
+    assert shown.plain == "x: reading /runs/[bold]odd[/bold]: 1 B of 2 B" and not shown.spans

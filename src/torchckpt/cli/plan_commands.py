@@ -20,9 +20,10 @@ from typing import Any
 from torch import nn
 
 from torchckpt._optional import install_hint
+from torchckpt._progress import phase
 from torchckpt.cli import COMMANDS
 from torchckpt.models import MODELS, BatchShape, load_model
-from torchckpt.train.status import Status, block_ticks
+from torchckpt.train.status import reported
 
 __all__ = ["CommandLineError", "register", "select_blocks"]
 
@@ -135,10 +136,10 @@ def _profiled(args: argparse.Namespace, action: str) -> Any:
     except (ImportError, SyntaxError) as error:  # the user's file: one line, as for --loss
         raise CommandLineError(f"--model {args.model}: importing failed: {type(error).__name__}: {error}") from None
     blocks = resolve_blocks(model, select_blocks(model, args.blocks) if args.blocks else "auto")
-    with Status(f"torchckpt {action}: {args.model}") as status, block_ticks(blocks, status):
+    with reported(f"torchckpt {action}: {args.model}"):  # each phase, block and solving, on stderr
         costs = profile(model, batch, blocks=blocks, loss_fn=loss_fn, step_fn=step_fn, batch_slices=args.batch_slices,
-                        progress=status.update, offload=args.offload, host_budget=args.host_budget)
-        status.update("solving")
+                        offload=args.offload, host_budget=args.host_budget)
+        phase("solving")
         paths = block_paths(model, blocks)
         identity = fingerprint(model, batch, paths)
         front = None

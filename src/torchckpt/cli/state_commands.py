@@ -21,6 +21,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from torchckpt.cli import COMMANDS
@@ -132,9 +133,15 @@ def _none_found(directory: str, what: str) -> str:
 
 
 def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``command`` with its refusals as one line (exit 2) and its long reads and writes shown on stderr."""
     def run(args: argparse.Namespace) -> int:
+        from torchckpt._progress import reporting
+        from torchckpt.train.status import Status
+
         try:
-            return command(args)
+            with Status(f"torchckpt {command.__name__.removeprefix('_run_')}") as status, \
+                    reporting(lambda report: status(replace(report, text=shown(report.text)))):
+                return command(args)
         except (CheckpointError, ValueError, OSError) as error:
             print(f"torchckpt: error: {shown(str(error))}", file=sys.stderr)
             return 2

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchckpt._progress import phase
 from torchckpt._units import parse_bytes, parse_percent
 from torchckpt.executor.compiled import is_compiled_module, uncompiled
 from torchckpt.planner.batch_slices import check_batch_slices
@@ -106,6 +107,7 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
                     optimizer_in_backward=optimizer_in_backward, micro_batches=micro_batches,
                     batch_slices=batch_slices, offload=offload, host_budget=host_budget)
     paths = list(costs.block_paths)
+    phase("solving")  # _progress.py's [quiet unless an application listens]
     return plan_from_costs(costs, budget, block_paths=paths,
                            model_fingerprint=fingerprint(model, example_inputs, paths), regions=regions, margin=margin)
 

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchckpt._progress import block_ticks
 from torchckpt._units import format_bytes, parse_bytes
 from torchckpt.executor import CheckpointHandle, wrap_forward
 from torchckpt.executor.offload import Offloader
@@ -228,7 +229,8 @@ def measure_offload(runner: StepRunner, block_list: list[nn.Module], costs: Chai
     limit = host_budget if host_budget is not None else _available_host_bytes() // 2
     runner.clear_grads()
     inputs = costs.chain  # [inputs move only along a chain]
-    with offloaded_blocks(runner.model, block_list, host_limit_bytes=limit, offload_inputs=inputs) as measured:
+    with offloaded_blocks(runner.model, block_list, host_limit_bytes=limit, offload_inputs=inputs) as measured, \
+            block_ticks(block_list):  # _progress.py's [reported per phase, never per op]
         probe = measure_step(runner, block_list, record_ops=False)
     runner.clear_grads()
     if measured.offloader.refused_bytes:

@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import nn
 
+from torchckpt._progress import block_ticks
 from torchckpt._units import format_bytes
 from torchckpt.executor import CheckpointHandle, checkpoint_modules, wrap_forward
 from torchckpt.executor.batch_slices import sliced_checkpoint
@@ -98,6 +99,7 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
                 if children:
                     stack.enter_context(checkpoint_modules(children, policy="nothing_saveable"))
                 chunked = stack.enter_context(chunked_for_profiling(head)) if head is not None else None
+                stack.enter_context(block_ticks(block_list))  # _progress.py's [reported per phase, never per op]
                 probe = measure_step(runner, block_list, record_ops=False)
         except Exception as error:  # noqa: BLE001 - the optional pieces only lose their option
             runner.clear_grads()

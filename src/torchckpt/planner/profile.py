@@ -78,6 +78,7 @@ import torch
 from torch import nn
 
 from torchckpt._host import paused_gc, preserved_state
+from torchckpt._progress import block_ticks, phase
 from torchckpt.executor import CheckpointHandle, checkpoint_modules
 from torchckpt.executor.compiled import eager_measurement, is_compiled_module, uncompiled
 from torchckpt.executor.kv_cache import kv_cache_off
@@ -212,7 +213,9 @@ def profile(
             runner.forward_backward()  # gradients a later micro-batch finds are learned in one: not a measured one
             runner.clear_grads()
         if group is not None:
+            phase(f"warming up {engine_of(model)} ({DISTRIBUTED_WARM_UP_STEPS + 1} steps, not measured)")
             _engine_warm_up(runner, block_list)
+        phase("checking which blocks can be recomputed (a forward pass without gradients)")
         # repeat.py's [a block is recomputed only if it repeats]; by module, as "auto" may reorder the blocks below
         unrepeatable = {} if engine_of(model) == "FSDP2" else {  # FSDP2 reshards a block's parameters after its forward
             id(block_list[i]): why for i, why in unrepeatable_blocks(runner, block_list).items()}
@@ -225,12 +228,13 @@ def profile(
             # registers its decoder's up blocks before the mid block it runs first): profile again in their order.
             block_list = [block_list[k] for k in error.ran]
             runner.clear_grads()
+            phase("profiling again, with the blocks in the order they ran")
             costs = _measure_costs(runner, block_list, progress, regions_off, group, options)
-        costs = measure_offload(runner, block_list, costs, progress or (lambda message: None), group,
-                                **offload_options)
+        costs = measure_offload(runner, block_list, costs, _sayer(progress), group, **offload_options)
         if isinstance(blocks, str) and group is None:  # other_blocks.py's [a much lower floor elsewhere is named]
             plain, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
             peak = costs.every_block_peak_bytes
+            phase("checking whether another grouping of blocks has a much lower floor")
             other = other_blocks_note(runner, costs.block_paths, peak, int(plain), costs.fixed_bytes)
             if other is not None:
                 costs = replace(costs, notes={**costs.notes, "other blocks": other})
@@ -267,16 +271,26 @@ def _engine_warm_up(runner: StepRunner, block_list: list[nn.Module]) -> None:
     runner.clear_grads()
 
 
+def _sayer(progress: Callable[[str], None] | None) -> Callable[[str], None]:
+    """Each phase to the reporter an application installed and to ``profile(progress=...)``."""
+    def say(message: str) -> None:  # _progress.py's [quiet unless an application listens]
+        phase(message)
+        if progress is not None:
+            progress(message)
+    return say
+
+
 def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Callable[[str], None] | None,
                    regions_off: str | None = None, group: Any = None, options: dict | None = None) -> ChainCosts:
     """The profile's steps; ``regions_off``, when given, says why plans from these costs have no regions;
     ``options``: ``measure_options``' keywords (``loss_head``, ``pieces``, ``batch_slices``).
     With a process ``group``, every decision that changes which steps run is taken by all ranks alike."""
-    say = progress or (lambda message: None)
+    say = _sayer(progress)
 
     def step(record_ops: bool) -> Any:
         def measure() -> Any:
-            return measure_step(runner, block_list, record_ops=record_ops)
+            with block_ticks(block_list):  # _progress.py's [reported per phase, never per op]
+                return measure_step(runner, block_list, record_ops=record_ops)
         return measure() if group is None else same_outcome(measure, group)
 
     say(f"profiling step 1: {len(block_list)} blocks, every block recomputed")

@@ -1,11 +1,18 @@
-"""Live progress of a training run: a rich status line on a terminal, plain lines otherwise."""
+"""Live progress of a training run: a rich status line on a terminal, plain lines otherwise.
+
+A ``Display`` is also a reporter of the library's long work (``torchckpt._progress``): a save between steps shows
+its bytes on the live line or, once it has taken ``every_s`` seconds, as plain lines at most every ``every_s``
+seconds (a quick save adds no line). Planning and restoring, before the steps, show through ``train/status.py``.
+"""
 
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from typing import TextIO
 
+from torchckpt._progress import Progress
 from torchckpt._units import format_bytes
 
 __all__ = ["Display", "PlainDisplay", "QuietDisplay", "RichDisplay", "StepReport", "make_display"]
@@ -52,6 +59,9 @@ class Display:
     def close(self) -> None:
         """Stop a live display (idempotent)."""
 
+    def __call__(self, report: Progress) -> None:
+        """Show one of the library's reports (``torchckpt._progress``): nothing unless a display says otherwise."""
+
 
 class QuietDisplay(Display):
     """Shows nothing (the ranks other than 0 of a run on several processes).
@@ -77,9 +87,10 @@ class PlainDisplay(Display):
         'hello\\n'
     """
 
-    def __init__(self, every: int = 1, stream: TextIO | None = None) -> None:
+    def __init__(self, every: int = 1, stream: TextIO | None = None, every_s: float = 2.0) -> None:
         self.every = max(1, every)
         self.stream = stream
+        self.every_s, self._last_s = every_s, 0.0
 
     def _print(self, text: str) -> None:
         print(text, file=self.stream or sys.stdout, flush=True)
@@ -90,6 +101,23 @@ class PlainDisplay(Display):
 
     def message(self, text: str) -> None:
         self._print(text)
+
+    def __call__(self, report: Progress) -> None:
+        """How far a phase got, as a line at most every ``every_s`` seconds from its start.
+
+        Example:
+            >>> import io
+            >>> out = io.StringIO(); display = PlainDisplay(stream=out, every_s=0.0)
+            >>> display(Progress("saving step 3")); display(Progress("saving step 3", 1024, 2048, "bytes"))
+            >>> out.getvalue()
+            'saving step 3: 1.00 KiB of 2.00 KiB\\n'
+        """
+        now = time.monotonic()
+        if report.done is None:
+            self._last_s = now
+        elif now - self._last_s >= self.every_s:
+            self._last_s = now
+            self._print(f"{report.text}: {report.detail()}")
 
 
 class RichDisplay(Display):
@@ -112,6 +140,10 @@ class RichDisplay(Display):
 
     def message(self, text: str) -> None:
         self._live.console.print(text, highlight=False, markup=False)
+
+    def __call__(self, report: Progress) -> None:
+        """The report on the live line, until the next step."""
+        self._live.update(self._text(f"{report.text}: {report.detail()}" if report.done is not None else report.text))
 
     def close(self) -> None:
         if self._live.is_started:

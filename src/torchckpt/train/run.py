@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from torchckpt._progress import phase, reporting
 from torchckpt._units import format_bytes
 from torchckpt.executor import CheckpointHandle, wrap_forward
 from torchckpt.memory import MemoryMeter
@@ -48,6 +49,7 @@ from torchckpt.train.planning import load_or_make_plan
 from torchckpt.train.progress import Display, QuietDisplay, StepReport, make_display
 from torchckpt.train.records import LossLog, NotSaved
 from torchckpt.train.resumed import restore_and_say
+from torchckpt.train.status import reported
 
 __all__ = ["WARMUP_STEPS", "TrainError", "build_model", "format_summary", "train"]
 
@@ -72,8 +74,7 @@ def build_model(config: TrainConfig) -> tuple[nn.Module, str]:
     model: nn.Module
     if config.model is None:
         model = gpt(config.size, dropout=config.dropout)
-        c = model.config
-        text = f"gpt({config.size!r}): {c.n_layer} layers x {c.d_model}"
+        text = f"gpt({config.size!r}): {model.config.n_layer} layers x {model.config.d_model}"
     else:
         try:
             model, _ = load_model(config.model, BatchShape(batch_size=config.batch_size, seq_len=config.seq_len))
@@ -89,12 +90,6 @@ def build_model(config: TrainConfig) -> tuple[nn.Module, str]:
     params = sum(p.numel() for p in model.parameters())
     dropout = f", dropout {config.dropout}" if config.model is None else ""
     return model, f"{text}, {params / 1e6:.2f}M parameters{dropout}"
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def _check_identity(run_dir: Path, config: TrainConfig) -> dict[str, Any]:
@@ -127,6 +122,7 @@ def _measure_baselines(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor
     of one step with each of those blocks under ``torch.utils.checkpoint`` (torch's own one-liner, the peer a
     budget below it is measured against) ([planning never changes the run])."""
     baselines: dict[str, float] = {}
+    phase("measuring the peers: no checkpointing" + (", every block under torch's checkpoint" if every_block else ""))
     with preserved_state(model):
         model.train()
         throwaway = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
@@ -273,7 +269,9 @@ def train(config: TrainConfig, *, say: Callable[[str], None] = print, display: D
                 f"{finished['step'] * 2}`): the run continues from step {finished['step']}.")
             say(format_summary(finished))
             return finished
-        _seed_everything(config.seed)
+        random.seed(config.seed)
+        np.random.seed(config.seed)
+        torch.manual_seed(config.seed)
         model, description = build_model(config)
         if ranks is not None:
             shard_model(model, resolve_blocks(model, "auto"))
@@ -351,10 +349,10 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
          validation_set: ByteChunks, loader: Any, checkpointer: Checkpointer | NotSaved,
          say: Callable[[str], None], display: Display | None, live: bool | None, ranks: Ranks | None) -> dict[str, Any]:
     run_dir = config.run_dir
-    summary_path = run_dir / "summary.json"
     example = train_set.batch(range(config.batch_size))
     resident = _loader_resident(loader)  # alive while planning, so the plan counts what the loader will hold
-    plan, baseline = _plan(config, record, model, example, say, ranks)
+    with reported("torchckpt train", live=live, quiet=ranks is not None and not ranks.leader):  # on stderr
+        plan, baseline = _plan(config, record, model, example, say, ranks)
     del example, resident  # profiled as the step's batch; kept alive beside the loader's batches it would count twice
     handle = apply_plan(model, plan)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -363,10 +361,10 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
     progress = {"peak_bytes": 0, "timed_steps": 0, "timed_s": 0.0, "last_loss": float("nan"),
                 "plan_budget_bytes": plan.budget_bytes}
     items = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "progress": progress}
-    step = restore_and_say(checkpointer, items, say)
-    if step:
-        if progress.get("plan_budget_bytes") != plan.budget_bytes:  # a new plan: its peak and times start afresh
-            progress.update(peak_bytes=0, timed_steps=0, timed_s=0.0, plan_budget_bytes=plan.budget_bytes)
+    with reported("torchckpt train", live=live, quiet=ranks is not None and not ranks.leader):  # a restore's bytes
+        step = restore_and_say(checkpointer, items, say)
+    if step and progress.get("plan_budget_bytes") != plan.budget_bytes:  # a new plan: its peak and times afresh
+        progress.update(peak_bytes=0, timed_steps=0, timed_s=0.0, plan_budget_bytes=plan.budget_bytes)
     if step < config.steps:
         step = _train_steps(config, plan, step, items, checkpointer, display, live, ranks)
     elif step > config.steps:
@@ -391,7 +389,7 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
         summary["processes"] = ranks.world
     handle.remove()
     if ranks is None or ranks.leader:
-        summary_path.write_text(json.dumps(summary, indent=1))
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     say(format_summary(summary))
     return summary
 
@@ -445,8 +443,9 @@ def _train_steps(config: TrainConfig, plan: Plan, step: int, items: dict[str, An
                                         next_checkpoint_s=(next_save - step) * mean_s))
                 if not math.isfinite(value):
                     raise TrainError(f"the loss is {value} at step {step}; lower --lr (now {config.lr})")
-                if checkpointer.maybe_save(step, metrics={"loss": value}, **items):
-                    display.message(f"saved step {step} to {checkpointer.directory}")
+                with reporting(display):  # a save's bytes, on the display
+                    if checkpointer.maybe_save(step, metrics={"loss": value}, **items):
+                        display.message(f"saved step {step} to {checkpointer.directory}")
                 if step >= config.steps:
                     break
     except SystemExit:  # [preemption saves and exits cleanly]: the Checkpointer saved and asks to exit

@@ -57,7 +57,7 @@ def write_unsharded(storage: Storage, step: int, files: Mapping[str, FileChunks]
     make_room(storage, step, files, retention, remove_old_when_full)
     writer = storage.begin_step(step)
     try:
-        entries = write_files_hashed(writer, files, algorithm)
+        entries = write_files_hashed(writer, files, algorithm, what=f"saving step {step} to {storage.location}")
         manifest = Manifest(step=step, created_unix_s=time.time(), hash_algorithm=algorithm, files=entries,
                             metrics=metrics, format_version=TAGGED_FORMAT_VERSION if needs_format_3(files) else None)
         abandon_newer_steps(storage, step)  # branches.py's [set aside before the commit]

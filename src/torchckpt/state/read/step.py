@@ -39,6 +39,7 @@ from typing import Literal
 
 import torch
 
+from torchckpt._progress import counting_bytes
 from torchckpt.state.errors import CheckpointCorruptError, CheckpointNotFoundError
 from torchckpt.state.format.codec import decode_json
 from torchckpt.state.format.hashing import HASH_ALGORITHMS, new_hasher
@@ -279,11 +280,15 @@ def _read_files(
         raise UnverifiableStepError(f"{path}: {message}", {path: message})
     files: dict[str, FileData] = {}
     problems: dict[str, str] = {}
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchckpt-hash") as hash_thread:
-        for name, expected in manifest.files.items():
-            if names is not None and name not in names:
-                continue
+    listed = {name: expected for name, expected in manifest.files.items() if names is None or name in names}
+    what = f"{'reading' if keep else 'verifying'} {storage.path_of(entry)}"  # _progress.py: shown if listened to
+    done = 0
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchckpt-hash") as hash_thread, \
+            counting_bytes(what, sum(expected.size_bytes for expected in listed.values())) as reached:
+        for name, expected in listed.items():
             data, problem = _read_checked(storage, step, name, expected, algorithm, hash_thread, keep)
+            done += expected.size_bytes
+            reached(done)
             if problem is not None:
                 problems[storage.path_of(entry, name)] = problem
             elif keep:

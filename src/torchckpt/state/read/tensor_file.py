@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from torchckpt._progress import add_bytes
 from torchckpt.state.format.codec import SAFETENSORS_MAX_HEADER_BYTES, safetensors_entries
 from torchckpt.state.storage.base import PIECE_BYTES
 from torchckpt.state.storage.local_files import open_in_step
@@ -95,6 +96,7 @@ def _read_data(fd: int, spans: list[tuple[torch.Tensor, int, int]], start: int, 
                 piece = memory[offset : offset + PIECE_BYTES]
                 count = _pread_fully(fd, piece, start + begin + offset)
                 done += count
+                add_bytes(count)  # _progress.py's [reported per phase, never per op]
                 if on_pieces is not None and count:
                     waits.append(on_pieces([piece[:count]]))
                 if count < len(piece):

@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
+from torchckpt._progress import add_bytes
 from torchckpt.state.errors import CheckpointWriteError, fix_for_os_error
 
 # Files are written and read in pieces of this size: small enough that hashing piece k overlaps
@@ -120,5 +121,6 @@ def read_pieces(handle: Readable, into: memoryview, on_piece: Callable[[memoryvi
         if on_piece is not None:
             on_piece(into[done : done + count])
         done += count
+        add_bytes(count)  # _progress.py's [reported per phase, never per op]
     return done + len(handle.read(1))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from torchckpt._progress import add_bytes, counting_bytes
 from torchckpt.state.format.hashing import new_hasher
 from torchckpt.state.format.manifest import FileEntry
 from torchckpt.state.format.snapshot import FileChunks
@@ -33,6 +34,7 @@ def write_hashed(
         for piece in split_pieces(chunks):
             updates.append(hash_thread.submit(hasher.update, piece))  # one worker: pieces hash in order
             yield piece
+            add_bytes(piece.nbytes)  # _progress.py's [reported per phase, never per op]
 
     size_bytes = writer.write(name, hashed_pieces(), sum(memoryview(chunk).nbytes for chunk in chunks))
     for update in updates:
@@ -51,8 +53,10 @@ def hash_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchckpt-hash")
 
 
-def write_files_hashed(writer: StepWriter, files: Mapping[str, FileChunks], algorithm: str) -> dict[str, FileEntry]:
-    """Write every file of ``files`` in order, each hashed on the way; returns their manifest entries.
+def write_files_hashed(writer: StepWriter, files: Mapping[str, FileChunks], algorithm: str,
+                       what: str = "writing a step") -> dict[str, FileEntry]:
+    """Write every file of ``files`` in order, each hashed on the way; returns their manifest entries. The bytes
+    written are reported as ``what`` (``torchckpt._progress``; nothing is shown unless an application listens).
 
     Example:
         >>> import tempfile
@@ -62,5 +66,10 @@ def write_files_hashed(writer: StepWriter, files: Mapping[str, FileChunks], algo
         ['a.json', 'b.json']
         >>> writer.abort(); tmp.cleanup()
     """
-    with hash_thread() as pool:
-        return {name: write_hashed(writer, name, chunks, algorithm, pool) for name, chunks in files.items()}
+    total = sum(memoryview(chunk).nbytes for chunks in files.values() for chunk in chunks)
+    entries: dict[str, FileEntry] = {}
+    with hash_thread() as pool, counting_bytes(what, total) as reached:
+        for name, chunks in files.items():
+            entries[name] = write_hashed(writer, name, chunks, algorithm, pool)
+            reached(sum(entry.size_bytes for entry in entries.values()))
+    return entries

@@ -20,6 +20,7 @@ import os
 import stat
 from collections.abc import Callable
 
+from torchckpt._progress import add_bytes
 from torchckpt.state.storage.base import read_pieces
 
 MANIFEST_MAX_BYTES = 64 << 20
@@ -158,6 +159,7 @@ def stream_pieces(step_dir: str, name: str, on_piece: Callable[[memoryview], Cal
                     break
                 pending[slot] = on_piece(buffers[slot][:count])
                 done += count
+                add_bytes(count)  # _progress.py's [reported per phase, never per op]
                 turn += 1
     finally:
         for waiter in pending:
