@@ -26,7 +26,7 @@ from typing import Any
 from torchckpt._units import format_bytes
 
 __all__ = ["Progress", "Reporter", "add_bytes", "advance", "block_ticks", "counting_bytes", "listening", "phase",
-           "reporting"]
+           "phases_to", "reporting"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,22 @@ def phase(text: str) -> None:
     reporter = _reporter.get()
     if reporter is not None:
         reporter(Progress(text))
+
+
+def phases_to(callback: Callable[[str], None] | None) -> Callable[[str], None]:
+    """A function that reports a phase (``phase``) and also passes it to ``callback`` (``profile(progress=...)``).
+
+    Example:
+        >>> seen = []
+        >>> phases_to(seen.append)("solving")
+        >>> seen
+        ['solving']
+    """
+    def say(text: str) -> None:  # [quiet unless an application listens]
+        phase(text)
+        if callback is not None:
+            callback(text)
+    return say
 
 
 def advance(text: str, done: int, total: int, unit: str) -> None:

@@ -78,7 +78,7 @@ import torch
 from torch import nn
 
 from torchckpt._host import paused_gc, preserved_state
-from torchckpt._progress import block_ticks, phase
+from torchckpt._progress import block_ticks, phase, phases_to
 from torchckpt.executor import CheckpointHandle, checkpoint_modules
 from torchckpt.executor.compiled import eager_measurement, is_compiled_module, uncompiled
 from torchckpt.executor.kv_cache import kv_cache_off
@@ -169,11 +169,8 @@ def profile(
     once; plans from these costs say so and ``apply`` installs it. ``micro_batches`` > 1 (gradient accumulation:
     that many backward passes per optimizer step) measures every step as the second micro-batch runs it, the
     first's gradients alive from its start (Note: [a later micro-batch peaks highest]). ``batch_slices`` k > 1
-    (opt-in): see ``torchckpt.plan`` and costs.py's [pieces nested inside a block]. ``offload=True`` (opt-in) adds
-    five steps (one measured with every block's saved activations offloaded to host memory, two timed so, two
-    timed plainly), and a
-    bandwidth calibration (planner/offload_step.py), a menu option of each block (costs.py's [offloaded blocks]),
-    its host memory within ``host_budget`` (bytes or a size string; None: half the host memory available).
+    (opt-in): see ``torchckpt.plan`` and costs.py's [pieces nested inside a block]. ``offload=True`` (opt-in)
+    adds five steps and a bandwidth calibration (planner/offload_step.py) for costs.py's [offloaded blocks].
 
     Example:
         >>> from torchckpt.models import gpt
@@ -182,8 +179,8 @@ def profile(
         >>> len(costs.blocks), costs.blocks[0].input_bytes
         (2, 8192)
     """
-    offload_options: dict[str, Any] = {"offload": offload, "host_budget": check_offload_args(offload, host_budget),
-                                       "compiled": is_compiled_module(model)}
+    offload_options = {"offload": offload, "host_budget": check_offload_args(offload, host_budget),
+                       "compiled": is_compiled_module(model)}
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     check_loss_head_arg(model, loss_head)
     options = {"loss_head": loss_head, "pieces": pieces, "batch_slices": check_batch_slices(batch_slices)}
@@ -230,7 +227,7 @@ def profile(
             runner.clear_grads()
             phase("profiling again, with the blocks in the order they ran")
             costs = _measure_costs(runner, block_list, progress, regions_off, group, options)
-        costs = measure_offload(runner, block_list, costs, _sayer(progress), group, **offload_options)
+        costs = measure_offload(runner, block_list, costs, phases_to(progress), group, **offload_options)  # type: ignore[arg-type]
         if isinstance(blocks, str) and group is None:  # other_blocks.py's [a much lower floor elsewhere is named]
             plain, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
             peak = costs.every_block_peak_bytes
@@ -271,21 +268,12 @@ def _engine_warm_up(runner: StepRunner, block_list: list[nn.Module]) -> None:
     runner.clear_grads()
 
 
-def _sayer(progress: Callable[[str], None] | None) -> Callable[[str], None]:
-    """Each phase to the reporter an application installed and to ``profile(progress=...)``."""
-    def say(message: str) -> None:  # _progress.py's [quiet unless an application listens]
-        phase(message)
-        if progress is not None:
-            progress(message)
-    return say
-
-
 def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Callable[[str], None] | None,
                    regions_off: str | None = None, group: Any = None, options: dict | None = None) -> ChainCosts:
     """The profile's steps; ``regions_off``, when given, says why plans from these costs have no regions;
     ``options``: ``measure_options``' keywords (``loss_head``, ``pieces``, ``batch_slices``).
     With a process ``group``, every decision that changes which steps run is taken by all ranks alike."""
-    say = _sayer(progress)
+    say = phases_to(progress)
 
     def step(record_ops: bool) -> Any:
         def measure() -> Any:
