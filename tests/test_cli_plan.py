@@ -108,6 +108,8 @@ def test_step_plans_the_users_own_loop(capsys: pytest.CaptureFixture[str], user_
     (["--budget", "lots"], "--budget='lots' is not a size; write a number with one of the units"),
     (["--budget", "150.5.%"], "--budget='150.5.%': a percentage must be a number followed by %"),
     (["--plot", "x.png", "--model", "gpt-tiny"], "pip install 'torchckpt[plot]'"),
+    (["--host-budget", "1GiB"], "--host-budget bounds the host memory of offloaded activations: give --offload"),
+    (["--offload", "--host-budget", "1XB"], "--host-budget='1XB' is not a size"),
 ])
 def test_bad_values_exit_2_before_profiling(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
                                            user_file: str, no_profiling: None, flags: list[str],
@@ -159,3 +161,9 @@ def test_batch_slices_are_offered_where_exact_and_the_table_says_which(capsys: p
     with pytest.raises(SystemExit) as caught:  # an argparse error: usage and one line, exit 2
         main(["plan", "--model", "gpt-tiny", "--batch-slices", "0"])
     assert caught.value.code == 2 and "--batch-slices: must be a positive integer" in capsys.readouterr().err
+
+
+def test_offload_is_planned_and_its_host_memory_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "plan", "--model", "gpt-tiny", "--batch-size", "2", "--seq-len", "32",
+                        "--offload", "--host-budget", "1GiB", "--budget", "100%")
+    assert code == 0 and "offload: every block offloaded measured" in out
