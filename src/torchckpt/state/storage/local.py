@@ -34,15 +34,18 @@ from torchckpt.state.format.layout import (
 )
 from torchckpt.state.process.lockfile import HeldLock, acquire
 from torchckpt.state.storage.base import Buffer, Storage, read_pieces, write_error
+from torchckpt.state.storage.kernel_hints import start_writeback
 from torchckpt.state.storage.local_files import open_in_step
 
 
-def _write_fully(fd: int, data: bytes | memoryview) -> int:
-    """Write all of ``data`` to ``fd``; returns bytes written (a partial write loops)."""
+def _write_fully(fd: int, data: bytes | memoryview, offset: int) -> int:
+    """Write all of ``data`` to ``fd`` (at ``offset``, where the file ends now); returns bytes written (a partial
+    write loops). The disk starts on them at once (kernel_hints.py's [writeback starts as pieces are written])."""
     view = memoryview(data)
     done = 0
     while done < len(view):
         done += os.write(fd, view[done : done + (64 << 20)])
+    start_writeback(fd, offset, done)
     return done
 
 
@@ -228,7 +231,7 @@ class _LocalStepWriter:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
                 for chunk in chunks:
-                    progress[0] += _write_fully(fd, chunk)
+                    progress[0] += _write_fully(fd, chunk, progress[0])
                 os.fsync(fd)
             finally:
                 os.close(fd)
