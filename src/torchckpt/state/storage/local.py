@@ -38,14 +38,12 @@ from torchckpt.state.storage.kernel_hints import start_writeback
 from torchckpt.state.storage.local_files import open_in_step
 
 
-def _write_fully(fd: int, data: bytes | memoryview, offset: int) -> int:
-    """Write all of ``data`` to ``fd`` (at ``offset``, where the file ends now); returns bytes written (a partial
-    write loops). The disk starts on them at once (kernel_hints.py's [writeback starts as pieces are written])."""
+def _write_fully(fd: int, data: bytes | memoryview) -> int:
+    """Write all of ``data`` to ``fd``; returns bytes written (a partial write loops)."""
     view = memoryview(data)
     done = 0
     while done < len(view):
         done += os.write(fd, view[done : done + (64 << 20)])
-    start_writeback(fd, offset, done)
     return done
 
 
@@ -230,8 +228,10 @@ class _LocalStepWriter:
         def write_and_sync() -> None:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                for chunk in chunks:
-                    progress[0] += _write_fully(fd, chunk, progress[0])
+                for chunk in chunks:  # kernel_hints.py's [writeback starts as pieces are written]
+                    written = _write_fully(fd, chunk)
+                    start_writeback(fd, progress[0], written)
+                    progress[0] += written
                 os.fsync(fd)
             finally:
                 os.close(fd)
