@@ -29,6 +29,9 @@ wait for the copy. Its blocking time is save() plus that wait. A training step r
 is in flight, and its time is reported next to a step without a save: on a small machine the background
 copy, hash and write share the training step's cores and memory bandwidth.
 
+The sync save is timed twice per repeat, first with the writeback hint off (as on a system without
+sync_file_range, storage/kernel_hints.py's [writeback starts as pieces are written]), then as shipped.
+
 Restores go into a freshly built model and optimizer, as a resumed run's do; one more row restores into
 the live objects (a rollback inside one process), which first frees their old state. Where a restore's
 time goes: torchckpt's read + verify + decode alone, then that decoded step applied alone to a fresh
@@ -57,6 +60,7 @@ Measured, never asserted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -65,7 +69,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -77,6 +81,7 @@ from torchckpt.state.format.hashing import DEFAULT_HASH_ALGORITHM, hash_bytes
 from torchckpt.state.format.layout import parse_step_dir_name
 from torchckpt.state.read.load import apply_snapshot
 from torchckpt.state.read.newest import read_newest_valid
+from torchckpt.state.storage import kernel_hints
 from torchckpt.state.storage.backends import open_storage
 
 MB = 10**6
@@ -133,6 +138,16 @@ def clear_steps(directory: str) -> None:
         if parse_step_dir_name(entry) is not None:
             evict(os.path.join(directory, entry))
             shutil.rmtree(os.path.join(directory, entry))
+
+
+@contextlib.contextmanager
+def without_writeback_hint() -> Iterator[None]:
+    """Saves inside it run as on a system without sync_file_range (storage/kernel_hints.py): the hint's own share."""
+    libc, kernel_hints._LIBC = kernel_hints._LIBC, None
+    try:
+        yield
+    finally:
+        kernel_hints._LIBC = libc
 
 
 def remove(path: str) -> None:
@@ -262,6 +277,13 @@ class Bench:
         sync_dir, async_dir = os.path.join(self.root, "ckpt-sync"), os.path.join(self.root, "ckpt-async")
         remove(sync_dir)
         save = f"torchckpt save (sync, {DEFAULT_HASH_ALGORITHM})"
+        plain_dir = os.path.join(self.root, "ckpt-sync-no-hint")
+        remove(plain_dir)
+        with Checkpointer(plain_dir, keep_last=1) as ckpt, without_writeback_hint():
+            self.timed(f"{save}, without the writeback hint", lambda: ckpt.save(
+                self.step, model=self.model, optimizer=self.optimizer))
+        evict(plain_dir)
+        remove(plain_dir)
         with Checkpointer(sync_dir, keep_last=1) as ckpt:
             self.timed(save, lambda: ckpt.save(self.step, model=self.model, optimizer=self.optimizer))
         saved_weight = self.model[0].weight.detach().clone()  # the async rows below train the model on
@@ -530,7 +552,9 @@ def main() -> None:
     largest = max(t.numel() * t.element_size() for t in bench._tensors())
     against_torch = torch_targets(med, bench, largest, tied)
     restore_full, peer = "torchckpt restore (verify=full)", "torch.load + load_state_dict (fresh model+optimizer)"
+    hint = f"{save}, without the writeback hint"
     context = {  # not targets: where a restore's time goes, against torch doing the same whole job
+        **({"sync save / the same save without the writeback hint": med[save] / med[hint]} if hint in med else {}),
         "restore verify=full / (torch.load + load_state_dict into a fresh model+optimizer)":
             med[restore_full] / med[peer],
         "torchckpt read+verify=full+decode only / torch.load":
