@@ -15,7 +15,7 @@ Rules kept here (named in ``docs/design.md``):
 
 Tried for restores and not kept (docs/state.md says what was measured): ``madvise(MADV_HUGEPAGE)`` on
 the fresh tensors a restore reads into made reads from the page cache much faster but reads from the
-disk slower on the benchmark's VM, and a resumed run reads from the disk.
+disk slower on the benchmark's VM in paired probes, and a resumed run reads from the disk.
 """
 
 from __future__ import annotations
