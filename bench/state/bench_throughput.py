@@ -29,8 +29,16 @@ wait for the copy. Its blocking time is save() plus that wait. A training step r
 is in flight, and its time is reported next to a step without a save: on a small machine the background
 copy, hash and write share the training step's cores and memory bandwidth.
 
+The sync save is timed twice per repeat, first with the writeback hint off (as on a system without
+sync_file_range, storage/kernel_hints.py's [writeback starts as pieces are written]), then as shipped.
+
 Restores go into a freshly built model and optimizer, as a resumed run's do; one more row restores into
-the live objects (a rollback inside one process), which first frees their old state.
+the live objects (a rollback inside one process), which first frees their old state. Where a restore's
+time goes: torchckpt's read + verify + decode alone, then that decoded step applied alone to a fresh
+model and optimizer; torch's peer of the whole job, torch.load + load_state_dict into a fresh model and
+optimizer, with the load_state_dict part on its own row. The reads after the first raw read run in
+reverse order every other repeat, so that no reader always comes first; the 1-minute load average as
+each repeat's reads begin is recorded.
 
 Against torch.save/load (issue 29, with --methods torch,torchckpt): the restore with verify="full" also
 records its peak RSS over the restored state (VmHWM reset before it, minus the RSS before and the state's
@@ -52,6 +60,7 @@ Measured, never asserted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -60,7 +69,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -70,7 +79,9 @@ from torchckpt.memory.rss import read_rss_bytes, reset_peak_rss
 from torchckpt.state import Checkpointer
 from torchckpt.state.format.hashing import DEFAULT_HASH_ALGORITHM, hash_bytes
 from torchckpt.state.format.layout import parse_step_dir_name
+from torchckpt.state.read.load import apply_snapshot
 from torchckpt.state.read.newest import read_newest_valid
+from torchckpt.state.storage import kernel_hints
 from torchckpt.state.storage.backends import open_storage
 
 MB = 10**6
@@ -129,6 +140,16 @@ def clear_steps(directory: str) -> None:
             shutil.rmtree(os.path.join(directory, entry))
 
 
+@contextlib.contextmanager
+def without_writeback_hint() -> Iterator[None]:
+    """Saves inside it run as on a system without sync_file_range (storage/kernel_hints.py): the hint's own share."""
+    libc, kernel_hints._LIBC = kernel_hints._LIBC, None
+    try:
+        yield
+    finally:
+        kernel_hints._LIBC = libc
+
+
 def remove(path: str) -> None:
     if os.path.isdir(path):
         shutil.rmtree(path)
@@ -144,6 +165,7 @@ class Bench:
         self.times: dict[str, list[float]] = {}
         self.tiny_state: dict[str, torch.Tensor] | None = None
         self.rss_over_state: list[int] = []  # peak RSS of each verify="full" restore over the restored state
+        self.load_averages: list[float] = []  # the 1-minute load average as each repeat's reads began
         self.step = 0
         self.async_ckpt: Checkpointer | None = None  # lives across repeats, like a training run's
         self.staged_ckpt: Checkpointer | None = None  # async_staging=True, also across repeats
@@ -210,9 +232,25 @@ class Bench:
             loaded = self.timed("torch.load", lambda: torch.load(path, weights_only=True))
             assert torch.equal(loaded["model"]["0.weight"], saved_weight)
 
+        def load_into_fresh() -> None:
+            model, optimizer = fresh
+            self.before_read(path)
+
+            def load_and_apply() -> None:
+                loaded = torch.load(path, weights_only=True)
+                start = time.perf_counter()
+                model.load_state_dict(loaded["model"])
+                optimizer.load_state_dict(loaded["optimizer"])
+                self.times.setdefault("torch: load_state_dict alone (fresh model+optimizer)", []).append(
+                    time.perf_counter() - start)
+
+            self.timed("torch.load + load_state_dict (fresh model+optimizer)", load_and_apply)
+            assert torch.equal(model[0].weight, saved_weight)
+
         self.timed("torch.save (+fsync)", save)
         saved_weight = self.model[0].weight.detach().clone()  # later rows train the model on
-        return [load]
+        fresh = fresh_model_and_optimizer(self.model)  # built untimed, well before the reads, as torchckpt's are
+        return [load, load_into_fresh]
 
     def dcp(self) -> list[Callable[[], None]]:
         import torch.distributed.checkpoint as dcp
@@ -239,6 +277,13 @@ class Bench:
         sync_dir, async_dir = os.path.join(self.root, "ckpt-sync"), os.path.join(self.root, "ckpt-async")
         remove(sync_dir)
         save = f"torchckpt save (sync, {DEFAULT_HASH_ALGORITHM})"
+        plain_dir = os.path.join(self.root, "ckpt-sync-no-hint")
+        remove(plain_dir)
+        with Checkpointer(plain_dir, keep_last=1) as ckpt, without_writeback_hint():
+            self.timed(f"{save}, without the writeback hint", lambda: ckpt.save(
+                self.step, model=self.model, optimizer=self.optimizer))
+        evict(plain_dir)
+        remove(plain_dir)
         with Checkpointer(sync_dir, keep_last=1) as ckpt:
             self.timed(save, lambda: ckpt.save(self.step, model=self.model, optimizer=self.optimizer))
         saved_weight = self.model[0].weight.detach().clone()  # the async rows below train the model on
@@ -262,11 +307,15 @@ class Bench:
                                   lambda: read_newest_valid(open_storage(sync_dir), step=None, verify="full",
                                                             fallback=False, wanted={"model", "optimizer"}))
             assert snapshot.step == step
+            model, optimizer = fresh[2].pop()
+            self.timed("torchckpt: apply alone (the decoded step into a fresh model+optimizer)",
+                       lambda: apply_snapshot(snapshot, {"model": model, "optimizer": optimizer}, False, sync_dir))
+            assert torch.equal(model[0].weight, saved_weight)
 
         step = self.step
         # as a resumed run does: a freshly built model and optimizer (no state yet), built now, untimed and
         # well before the reads (initialising them runs torch's thread pool, which spins a while after)
-        fresh = [[fresh_model_and_optimizer(self.model)] for _ in range(2)]
+        fresh = [[fresh_model_and_optimizer(self.model)] for _ in range(3)]
         live = [(self.model, self.optimizer)]
         return [lambda: restore("full", "torchckpt restore (verify=full)", fresh[0]),
                 lambda: restore("fast", "torchckpt restore (verify=fast, no hashing)", fresh[1]),
@@ -463,7 +512,11 @@ def main() -> None:
             # after gigabytes of writes are slower on a virtual disk, and all reads should see the same disk
             reads = [read for method in chosen for read in method()]
             raw_reads = reads[:1] if "raw" in chosen_names else []
-            for read in raw_reads + reads[len(raw_reads):] + raw_reads:
+            others = reads[len(raw_reads):]
+            if repeat % 2:  # every other repeat in reverse order: no reader always comes first
+                others.reverse()
+            bench.load_averages.append(os.getloadavg()[0])
+            for read in raw_reads + others + raw_reads:
                 bench.timed("touch fresh memory of the state's size (page faults, for reference)", bench.touch)
                 read()
             print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
@@ -498,11 +551,22 @@ def main() -> None:
     slowdowns = {name: med[name] / med[plain_step] for name in med if name.startswith("training step, a")}
     largest = max(t.numel() * t.element_size() for t in bench._tensors())
     against_torch = torch_targets(med, bench, largest, tied)
+    restore_full, peer = "torchckpt restore (verify=full)", "torch.load + load_state_dict (fresh model+optimizer)"
+    hint = f"{save}, without the writeback hint"
+    context = {  # not targets: where a restore's time goes, against torch doing the same whole job
+        **({"sync save / the same save without the writeback hint": med[save] / med[hint]} if hint in med else {}),
+        "restore verify=full / (torch.load + load_state_dict into a fresh model+optimizer)":
+            med[restore_full] / med[peer],
+        "torchckpt read+verify=full+decode only / torch.load":
+            med["torchckpt read+verify=full+decode only (no load_state_dict)"] / med["torch.load"],
+    } if restore_full in med and peer in med else {}
     results = {
         **record, "tiny_tensors": args.tiny, "tied_gpt2": tied, "largest_tensor_bytes": largest,
         "restore_peak_rss_over_state_bytes": bench.rss_over_state,
         "against_torch": [{"ratio": name, "value": value, "target": wanted, "met": met}
                           for name, value, wanted, met in against_torch],
+        "restore_context_ratios": context,
+        "load_average_1min_at_each_repeat": bench.load_averages,
         "state_bytes": nbytes, "repeats": args.repeats, "cold_reads": not args.warm, "cpu_count": os.cpu_count(),
         "torch": torch.__version__, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "rows": rows,
@@ -525,6 +589,8 @@ def main() -> None:
         print(f"| {target['ratio']} | {target['value']:.2f} | {target['target']} | {met} |")
     for name, value, wanted, met in against_torch:
         print(f"| {name} | {value:.2f} | {wanted} | {'yes' if met else 'no'} |")
+    for name, ratio in context.items():
+        print(f"| {name} (not a target) | {ratio:.2f} | | |")
     for name, ratio in slowdowns.items():
         print(f"\n{name} / no save in flight: {ratio:.2f} (median {med[name]:.3f} s vs {med[plain_step]:.3f} s)")
     if tied is not None:

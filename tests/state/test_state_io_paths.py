@@ -26,6 +26,8 @@ from torchckpt.state.format.hashing import HASH_ALGORITHMS, hash_bytes, new_hash
 from torchckpt.state.format.layout import step_dir_name
 from torchckpt.state.format.manifest import canonical_json
 from torchckpt.state.live.staging import HostStaging
+from torchckpt.state.storage import kernel_hints
+from torchckpt.state.storage import local as storage_local
 from torchckpt.state.storage.base import PIECE_BYTES
 
 REFERENCE_DIGESTS = {  # each algorithm's one-shot digest from its own library, not through our registry
@@ -74,6 +76,43 @@ def test_zero_copy_writer_output_is_read_by_reference_safe_open(run_dir, async_s
     for name, entry in manifest["files"].items():  # hashes written on the fly equal hashes of the files
         data = Path(step_dir, name).read_bytes()
         assert entry == {"size_bytes": len(data), "hash": xxhash.xxh3_128_hexdigest(data)}
+
+
+
+def test_writeback_is_started_for_every_piece_and_changes_no_byte(run_dir, monkeypatch):
+    """kernel_hints.py's [writeback starts as pieces are written], [hints never change what is written or read]."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2100, 2100, bias=False)  # 17.6 MB: two pieces
+    asked: dict[str, list[tuple[int, int]]] = {}
+    real = kernel_hints.start_writeback
+
+    def recording(fd: int, offset: int, length: int) -> bool:
+        asked.setdefault(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), []).append((offset, length))
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(storage_local, "start_writeback", recording)
+    with Checkpointer(os.path.join(run_dir, "hinted"), capture_rng=False) as ckpt:
+        ckpt.save(1, model=model)
+    monkeypatch.setattr(kernel_hints, "_LIBC", None)  # as on a system without sync_file_range
+    monkeypatch.setattr(storage_local, "start_writeback", kernel_hints.start_writeback)
+    assert kernel_hints.start_writeback(0, 0, 1) is False
+    with Checkpointer(os.path.join(run_dir, "plain"), capture_rng=False) as ckpt:
+        ckpt.save(1, model=model)
+    hinted, plain = (Path(run_dir, name, step_dir_name(1)) for name in ("hinted", "plain"))
+    names = sorted(os.listdir(plain))
+    assert sorted(os.listdir(hinted)) == names == sorted(asked)
+    for name in names:
+        size = (hinted / name).stat().st_size
+        spans = asked[name]  # contiguous, in order, covering the file exactly, no piece over PIECE_BYTES
+        assert [offset for offset, _ in spans] == [sum(n for _, n in spans[:i]) for i in range(len(spans))]
+        assert sum(n for _, n in spans) == size and max(n for _, n in spans) <= PIECE_BYTES
+        if name.endswith(".safetensors"):
+            assert (hinted / name).read_bytes() == (plain / name).read_bytes()
+    listed = [json.loads((step / "manifest.json").read_text())["files"] for step in (hinted, plain)]
+    assert listed[0]["model.safetensors"] == listed[1]["model.safetensors"]  # the same size and hash
+    assert {name: entry["size_bytes"] for name, entry in listed[0].items()} == {
+        name: entry["size_bytes"] for name, entry in listed[1].items()}  # state.json differs by its save time
+    assert len(asked["model.safetensors"]) > 1  # the weight spans several pieces
 
 
 def test_large_state_restores_bitwise_and_training_continues_identically(run_dir):

@@ -34,6 +34,7 @@ from torchckpt.state.format.layout import (
 )
 from torchckpt.state.process.lockfile import HeldLock, acquire
 from torchckpt.state.storage.base import Buffer, Storage, read_pieces, write_error
+from torchckpt.state.storage.kernel_hints import start_writeback
 from torchckpt.state.storage.local_files import open_in_step
 
 
@@ -227,8 +228,10 @@ class _LocalStepWriter:
         def write_and_sync() -> None:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
-                for chunk in chunks:
-                    progress[0] += _write_fully(fd, chunk)
+                for chunk in chunks:  # kernel_hints.py's [writeback starts as pieces are written]
+                    written = _write_fully(fd, chunk)
+                    start_writeback(fd, progress[0], written)
+                    progress[0] += written
                 os.fsync(fd)
             finally:
                 os.close(fd)
