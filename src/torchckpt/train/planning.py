@@ -88,7 +88,7 @@ def plan_job(config: TrainConfig, record: dict[str, Any], model: nn.Module, exam
     step, stored, why = read_stored_plan(checkpointer)
     if stored is not None:
         why = stored.differs(layout, config.budget)
-        why = f"the plan stored in step {step} was made for another layout or budget: {why}" if why else ""
+        why = f"the plan stored in step {step}: {why}" if why else ""
         if not why:
             try:
                 stored.plan.check_fits(model, example)
