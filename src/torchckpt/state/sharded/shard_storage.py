@@ -54,7 +54,7 @@ from torchckpt.state.format.codec import SAFETENSORS_DTYPES
 from torchckpt.state.format.hashing import HASH_ALGORITHMS, hash_bytes
 from torchckpt.state.format.manifest import FileEntry
 from torchckpt.state.format.tensor_chunks import safetensors_chunks
-from torchckpt.state.sharded.part_reads import IntoReader, read_part_into, readable_into
+from torchckpt.state.sharded.part_reads import IntoReader, load_parts, read_part_into, readable_into
 from torchckpt.state.storage.base import StepWriter
 from torchckpt.state.storage.hashed_write import hash_thread, write_hashed
 
@@ -399,25 +399,22 @@ class ShardReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read, verify and copy each planned part of a saved chunk ([every byte read is verified])."""
-        for item in plan.items:
-            target = planner.resolve_tensor(item).detach()
-            if not self._part_into(item, target):
-                target.copy_(self._chunk_part(item))
-            planner.commit_tensor(item, target)
+        load_parts(plan.items, planner, self._part_into, self._chunk_part)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _part_into(self, item: ReadItem, target: torch.Tensor) -> bool:
-        """part_reads.py's [a part is read into its target]: False when this part goes the general way."""
+    def _part_into(self, item: ReadItem, target: torch.Tensor) -> Callable[[], None] | None:
+        """part_reads.py's [a part is read into its target]: the check of its blocks, None for the general way."""
         fqn, offsets, location, dtype, lengths, _, first, last = self._part(item)
         if self._read_into is None or not readable_into(target, dtype, math.prod(lengths), first, last):
-            return False
+            return None
         corrupt = lambda problem: self._corrupt(location.file, f"chunk {fqn}@{list(offsets)}: {problem}")  # noqa: E731
-        self.bytes_read += read_part_into(self._read_into, location.file, location.offset, location.length,
-                                          location.blocks, self._algorithm, BLOCK_BYTES,
-                                          (first * dtype.itemsize, (last + 1) * dtype.itemsize), target, corrupt)
-        return True
+        count, check = read_part_into(self._read_into, location.file, location.offset, location.length,
+                                      location.blocks, self._algorithm, BLOCK_BYTES,
+                                      (first * dtype.itemsize, (last + 1) * dtype.itemsize), target, corrupt)
+        self.bytes_read += count
+        return check
 
     def _part(self, item: ReadItem) -> tuple[str, tuple, Any, torch.dtype, list[int], list[int], int, int]:
         """A part's chunk (fqn, offsets, location, dtype), lengths, the chunk's strides, its first and last element."""
