@@ -62,23 +62,30 @@ def load_or_make_plan(path: Path, model: nn.Module, example_inputs: tuple | dict
 
 
 def plan_job(config: TrainConfig, record: dict[str, Any], model: nn.Module, example: tuple, checkpointer: Any,
-             ranks: Ranks | None, measure: Measure, say: Callable[[str], None]) -> tuple[Plan, StoredPlan]:
+             ranks: Ranks | None, measure: Measure | None, say: Callable[[str], None]) -> tuple[Plan, StoredPlan]:
     """The plan this job trains with, and its record for the checkpoints (plan_record.py's [a plan follows the
     job]): reused from the newest checkpoint at the same layout and budget (no profiling), else made now, saying
     why and, when the layout changed, what changed. ``measure(model, batch, blocks)`` measures the baseline of a
     new plan. Writes ``run.json``, ``plan.json`` and ``baseline.json`` (rank 0). A collective in a sharded job.
 
-    Example:
+    Example (a step that stores a plan for this layout and budget: reused, nothing profiled):
         >>> import tempfile
-        >>> from torchckpt.train.records import NotSaved
-        >>> tmp = tempfile.TemporaryDirectory()
-        >>> config, model = TrainConfig(size="tiny", batch_size=2, seq_len=16, dir=tmp.name, budget="100%"), None
+        >>> from torchckpt import Checkpointer
         >>> from torchckpt.models import gpt
-        >>> model = gpt("tiny"); batch = model.example_batch(batch_size=2, seq_len=16)
-        >>> plan, stored = plan_job(config, {}, model, batch, NotSaved(), None,
-        ...                         lambda *args: {"peak_bytes": 1.0, "step_s": 0.1}, lambda text: None)
-        >>> stored.layout.describe(), stored.baseline["step_s"]
-        ('one process, batch 2 x 16', 0.1)
+        >>> from torchckpt.planner.plan import fingerprint
+        >>> from torchckpt.train.plan_record import Layout
+        >>> tmp, model = tempfile.TemporaryDirectory(), gpt("tiny")
+        >>> config, batch = TrainConfig(size="tiny", batch_size=2, seq_len=16, dir=tmp.name), model.example_batch(2, 16)
+        >>> plan = Plan(budget_bytes=1, predicted_peak_bytes=1, predicted_extra_time_s=0.0, schedule=(),
+        ...             block_paths=(), fingerprint=fingerprint(model, batch, []))
+        >>> stored = StoredPlan(plan, config.budget, Layout(1, "none", (2, 16)), {"peak_bytes": 1.0, "step_s": 0.1})
+        >>> with Checkpointer(config.run_dir / "checkpoints") as ckpt:
+        ...     ckpt.save(3, plan=stored.record())
+        ...     reused, again = plan_job(config, {}, model, batch, ckpt, None, None, print)  # doctest: +ELLIPSIS
+        plan reused from step 3 (made for one process, batch 2 x 16, --budget 50%); not profiled
+        blocks: ...
+        >>> again == stored
+        True
         >>> tmp.cleanup()
     """
     run_dir = config.run_dir
@@ -116,6 +123,8 @@ def plan_job(config: TrainConfig, record: dict[str, Any], model: nn.Module, exam
     else:
         blocks = None if ranks is not None or not plan.block_paths else [  # one process: measured beside the plan
             model.get_submodule(path) for path in plan.block_paths]
+        if measure is None:
+            raise ValueError("plan_job: a new plan needs measure(model, batch, blocks) for its baseline")
         baseline = measure(model, example, blocks)
         if ranks is not None:  # one figure on every rank, so every rank stores the same record
             baseline["peak_bytes"] = ranks.largest(int(baseline["peak_bytes"]))
