@@ -20,9 +20,11 @@ ranks after one training step. Three phases, each in freshly spawned processes:
    from the shard files (counted by the ShardReader), from those same files, into fresh memory (first
    touched by the read, as a restore's new tensors are: the target's baseline) and, for reference, into a
    buffer allocated and touched once before (the kernel's copy alone). Every restore goes into a freshly
-   built model and optimizer (built untimed), as a resumed run's does; both restores initialise the
+   built model and optimizer (built untimed), as a resumed run's does; DCP's restore initialises the
    optimizer's state first (torch's ``_init_optim_state``: zero gradients and a zero-lr AdamW step), timed
-   on its own as a reference row. Restored values are checked against the saved ones (global sums).
+   on its own as a reference row (torchckpt's restore did too before commit 56de375; it now shapes the state
+   without a step: state/sharded/optimizer_shapes.py). Restored values are checked against the saved ones
+   (global sums).
 
 Inside torchckpt's save and restore, parts are timed on their own (a clock read around each call of the
 functions named in SAVE_PARTS and RESTORE_PARTS); "rest" is the save's or restore's time outside them.
