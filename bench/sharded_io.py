@@ -20,9 +20,11 @@ ranks after one training step. Three phases, each in freshly spawned processes:
    from the shard files (counted by the ShardReader), from those same files, into fresh memory (first
    touched by the read, as a restore's new tensors are: the target's baseline) and, for reference, into a
    buffer allocated and touched once before (the kernel's copy alone). Every restore goes into a freshly
-   built model and optimizer (built untimed), as a resumed run's does; both restores initialise the
+   built model and optimizer (built untimed), as a resumed run's does; DCP's restore initialises the
    optimizer's state first (torch's ``_init_optim_state``: zero gradients and a zero-lr AdamW step), timed
-   on its own as a reference row. Restored values are checked against the saved ones (global sums).
+   on its own as a reference row (torchckpt's restore did too before commit 56de375; it now shapes the state
+   without a step: state/sharded/optimizer_shapes.py). Restored values are checked against the saved ones
+   (global sums).
 
 Inside torchckpt's save and restore, parts are timed on their own (a clock read around each call of the
 functions named in SAVE_PARTS and RESTORE_PARTS); "rest" is the save's or restore's time outside them.
@@ -36,8 +38,9 @@ method (it also counts the bytes the raw write and read use). In each repeat the
 order (ours, dcp, raw; then dcp, raw, ours; ...). Reported per method: MB/s per rank (the rank's bytes over
 its seconds), median and min-max over ranks x repeats, and the seconds.
 
-Targets (issue: sharded checkpoints): per-rank save throughput >= 0.8 x raw write; resharding restore
-(2 -> 1 and 2 -> 4 ranks) throughput >= 0.7 x raw read (into fresh memory); each a ratio of per-rank
+Targets (issue 30, "speed against the disk"; they were 0.8 and 0.7 before): per-rank save throughput >= 0.9 x
+raw write; resharding restore (2 -> 1 and 2 -> 4 ranks) throughput >= 0.8 x raw read (into fresh memory); each a
+ratio of per-rank
 medians, met if the worst rank meets it. Reference ratios (not targets): DCP's against the same raw I/O,
 torchckpt's restore against the reused-buffer read, and torchckpt's restore less the optimizer init.
 Writes bench/results/sharded_io.json (``--out``) with the commit and the command line, and prints the
@@ -67,7 +70,7 @@ RAW_FRESH, RAW_REUSED = "raw read (page cache, into fresh memory)", "raw read (p
 RESTORE_METHODS = ("torchckpt restore", "dcp.load (FileSystemReader) + set_state_dict", RAW_FRESH, RAW_REUSED)
 LESS_INIT = "torchckpt restore less its optimizer state init (derived from the parts)"
 INIT_ROW = "optimizer state init (inside both restores, reference)"
-TARGETS = {"save": 0.8, "restore": 0.7}
+TARGETS = {"save": 0.9, "restore": 0.8}
 
 
 # ----- in the spawned ranks ---------------------------------------------------------------------------
@@ -269,6 +272,8 @@ RESTORE_PARTS = {
                                                                         "LocalStorage.read_range"),
                                                                        ("torchckpt.state.storage",
                                                                         "LocalStorage.read_range")],
+    "of which preadv straight into the targets (part_reads.py)": [("torchckpt.state.storage.local",
+                                                                    "LocalStorage.read_range_into")],
     "apply into the live model and optimizer (apply_restore)": [("torchckpt.state.sharded.restore", "apply_restore"),
                                                                 ("torchckpt.state.sharded_restore", "apply_restore"),
                                                                 ("torchckpt.state.checkpointer", "apply_restore")],
@@ -597,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="parent of the data directory (default: the system temp dir)")
     parser.add_argument("--quick", action="store_true", help="2 x 256 layers, 1 repeat (for tests)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "sharded_io.json"))
+    parser.add_argument("--note", default="", help="a remark stored in the results (e.g. what else ran meanwhile)")
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.width, args.repeats = 2, 256, 1
@@ -608,8 +614,9 @@ def main(argv: list[str] | None = None) -> int:
     results = run_record(here, command=_command(), uncommitted=_uncommitted(here), layers=args.layers,
                          width=args.width, parameter_bytes=params * 4, state_bytes_approx=params * 4 * 3,
                          repeats=args.repeats, quick=args.quick, backend="gloo", save_world=2,
-                         restore_worlds=worlds, page_cache="warm: reads come from the page cache (not dropped); "
-                         "the raw reads read warm too", threads_per_rank="cpu_count // world")
+                         restore_worlds=worlds, note=args.note,
+                         page_cache="warm: reads come from the page cache (not dropped); the raw reads read warm too",
+                         threads_per_rank="cpu_count // world")
     data = tempfile.mkdtemp(prefix="torchckpt-sharded-io-", dir=args.dir)
     results["filesystem_dir"] = str(Path(data).parent)
     cfg = {"layers": args.layers, "width": args.width, "repeats": args.repeats, "data": data}

@@ -54,7 +54,7 @@ def test_train_md_commands_run_as_written(tmp_path: Path) -> None:
         assert result.returncode == 0, (command, result.stderr)
         outputs.append(result.stdout)
     assert "step 4/4" in outputs[0] and "validation loss" in outputs[0]
-    assert "reused the plan saved in runs/tiny/plan.json" in outputs[1]
+    assert "plan reused from step 4" in outputs[1] and "planning" not in outputs[1]
     assert "resumed from runs/tiny/checkpoints/step-000000004" in outputs[1] and "step 6/6" in outputs[1]
     assert "step-000000006" not in outputs[0] and all(f"{s}" in outputs[2] for s in (2, 4, 6))
 

@@ -24,6 +24,7 @@ RESTORE_PARTS = ("live state dicts (includes the optimizer state init)",
                  "dcp.load: plans exchanged over gloo, read_data",
                  "of which read_data: read + verify + copy into the targets",
                  "of which pread: the shards' byte ranges (and the small index)",
+                 "of which preadv straight into the targets (part_reads.py)",
                  "apply into the live model and optimizer (apply_restore)")
 REST = "rest: index, manifest, rank-local files, store vote, waits for the other ranks"
 
@@ -55,7 +56,9 @@ def test_quick_run_writes_every_method(tmp_path: Path) -> None:
         # every timed part of torchckpt's save / restore was found where the script looks for it
         parts = phase["torchckpt_parts"]
         assert set(parts) == {*(SAVE_PARTS if phase["kind"] == "save" else RESTORE_PARTS), REST}
-        assert all(_positive(part["median"]) for label, part in parts.items() if label != REST)
+        reads = [label for label in parts if "pread" in label]  # one of the two read paths may not be taken
+        assert all(_positive(part["median"]) for label, part in parts.items() if label != REST and label not in reads)
+        assert _positive(sum(parts[label]["median"] for label in reads)) or phase["kind"] == "save"
         if phase["kind"] == "restore":
             assert phase["restored_equal"] is True
     assert len(results["targets"]) == 3 and len(results["reference_ratios"]) == 1 + 3 * 2

@@ -78,7 +78,8 @@ def test_sigterm_saves_resume_is_bit_exact_finished_run_is_reported_more_steps_c
     resumed = _run(run_dir, "--steps", "6")  # resumes, and stops earlier than the reference
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {run_dir / 'checkpoints'}/{step_dir_name(stopped)}" in resumed.stdout
-    assert "reused the plan saved in" in resumed.stdout
+    assert f"plan reused from step {stopped} (made for one process, batch 4 x 64, --budget 90%)" in resumed.stdout
+    assert "planning" not in resumed.stdout  # plan_record.py's [a plan follows the job]: nothing profiled
     again = _run(run_dir, "--steps", "6")
     assert again.returncode == 0, again.stderr
     assert "holds a finished run (step 6 of --steps 6); not training again" in again.stdout

@@ -39,6 +39,8 @@ def test_two_processes_stop_and_resume_under_a_plan_bitwise(tmp_path: Path) -> N
     _train("--nproc", "2", *TINY, "--budget", "75%", "--steps", "2", "--dir", str(split))
     resumed = _train("--nproc", "2", *TINY, "--budget", "75%", "--steps", "4", "--dir", str(split))
     assert "resumed from" in resumed.stdout and "step-000000002" in resumed.stdout
+    assert "plan reused from step 2 (made for FSDP2 over 2 processes, batch 4 x 64 per process" in resumed.stdout
+    assert "planning" not in resumed.stdout  # plan_record.py's [a plan follows the job]: nothing profiled
     assert read_losses(split) == read_losses(whole) and len(read_losses(whole)) == 4
     summary = json.loads((split / "summary.json").read_text())  # the largest peak over the ranks
     assert summary["predicted_extra_s"] > 0 and summary["peak_bytes"] <= summary["budget_bytes"], summary
@@ -58,6 +60,15 @@ def test_two_processes_save_and_resume_bitwise(tmp_path: Path) -> None:
     assert summary["predicted_extra_s"] > 0 and summary["peak_bytes"] <= summary["budget_bytes"], summary
     one = _train(*TINY, "--steps", "8", "--dir", str(split))  # one process: resharded, the loader restarts
     assert "resumed from" in one.stdout and "step-000000006" in one.stdout
+    # plan_record.py's [a plan follows the job]: planned again for one process, before the first step
+    said = one.stdout.split("resumed from")[0]
+    assert "planned (the plan stored in step 6: the layout changed)" in said
+    assert ("the layout changed since step 6: FSDP2 over 2 processes, batch 4 x 64 per process -> one process, "
+            "batch 4 x 64; predicted peak per process ") in said
+    assert json.loads((split / "baseline.json").read_text())["every_block_peak_bytes"] > 0  # measured here
     assert "saved by 2 rank(s) and is restored on 1" in one.stderr and "item 'loader' not restored" in one.stderr
     assert "(model, AdamW, LR schedule; not restored: data position, RNG, as warned above)" in one.stdout
     assert sorted(read_losses(split)) == list(range(1, 9))
+    again = _train(*TINY, "--steps", "10", "--dir", str(split))  # one process again: its own plan, reused
+    assert "plan reused from step 8 (made for one process, batch 4 x 64, --budget 100%); not profiled" in again.stdout
+    assert "planning" not in again.stdout and sorted(read_losses(split)) == list(range(1, 11))

@@ -39,13 +39,14 @@ from torchckpt._units import format_bytes
 from torchckpt.executor import CheckpointHandle, wrap_forward
 from torchckpt.memory import MemoryMeter
 from torchckpt.models import BatchShape, ModelSpecError, gpt, load_model
-from torchckpt.planner import Plan, apply_plan, default_loss, plan_without_side_effects, preserved_state
+from torchckpt.planner import Plan, apply_plan, default_loss, preserved_state
 from torchckpt.planner.blocks import resolve_blocks
 from torchckpt.state import Checkpointer
 from torchckpt.train.config import TrainConfig
 from torchckpt.train.data import ByteChunks, load_stdlib_corpus, make_loader
 from torchckpt.train.distributed import Ranks, join_process_group, shard_model
-from torchckpt.train.planning import load_or_make_plan
+from torchckpt.train.plan_record import RECORD_ITEM
+from torchckpt.train.planning import plan_job
 from torchckpt.train.progress import Display, QuietDisplay, StepReport, make_display
 from torchckpt.train.records import LossLog, NotSaved
 from torchckpt.train.resumed import restore_and_say
@@ -312,39 +313,6 @@ def _loader_resident(loader: Any) -> torch.Tensor | None:
     return generator.get_state() if isinstance(generator, torch.Generator) else None
 
 
-def _plan(config: TrainConfig, record: dict[str, Any], model: nn.Module, example: tuple,
-          say: Callable[[str], None], ranks: Ranks | None) -> tuple[Plan, dict[str, float]]:
-    run_dir = config.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    per = f" per process, on each of {ranks.world}" if ranks else ""
-    say(f"planning activation checkpointing for a budget of {config.budget}{per} (whole step: parameters, "
-        "gradients, AdamW state, activations) ...")
-    baseline_path = run_dir / "baseline.json"
-    if ranks is None:
-        plan, how = load_or_make_plan(run_dir / "plan.json", model, example, config.budget, record.get("plan_budget"))
-    else:  # every rank plans (a collective: planner/distributed.py's [a distributed model is planned by all its ranks])
-        plan = plan_without_side_effects(model, example, config.budget)
-        how = f"planned on {ranks.world} processes, one plan for all; saved to {run_dir / 'plan.json'}"
-        if ranks.leader:
-            plan.save(run_dir / "plan.json")
-    if how.startswith("reused") and baseline_path.is_file():
-        baseline = json.loads(baseline_path.read_text())
-    else:
-        blocks = None if ranks is not None or not plan.block_paths else [  # one process: measured beside the plan
-            model.get_submodule(path) for path in plan.block_paths]
-        baseline = _measure_baselines(model, example, blocks)
-        if ranks is not None:
-            baseline["peak_bytes"] = ranks.largest(int(baseline["peak_bytes"]))
-        if ranks is None or ranks.leader:
-            baseline_path.write_text(json.dumps(baseline))
-    record["plan_budget"] = config.budget
-    if ranks is None or ranks.leader:
-        (run_dir / "run.json").write_text(json.dumps(record, indent=1))
-    say(how)
-    say(plan.table())
-    return plan, baseline
-
-
 def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_set: ByteChunks,
          validation_set: ByteChunks, loader: Any, checkpointer: Checkpointer | NotSaved,
          say: Callable[[str], None], display: Display | None, live: bool | None, ranks: Ranks | None) -> dict[str, Any]:
@@ -352,7 +320,8 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
     example = train_set.batch(range(config.batch_size))
     resident = _loader_resident(loader)  # alive while planning, so the plan counts what the loader will hold
     with reported("torchckpt train", live=live, quiet=ranks is not None and not ranks.leader):  # on stderr
-        plan, baseline = _plan(config, record, model, example, say, ranks)
+        plan, stored = plan_job(config, record, model, example, checkpointer, ranks, _measure_baselines, say)
+    baseline = stored.baseline
     del example, resident  # profiled as the step's batch; kept alive beside the loader's batches it would count twice
     handle = apply_plan(model, plan)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -363,6 +332,7 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
     items = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "progress": progress}
     with reported("torchckpt train", live=live, quiet=ranks is not None and not ranks.leader):  # a restore's bytes
         step = restore_and_say(checkpointer, items, say)
+    items[RECORD_ITEM] = stored.record()  # plan_record.py's [a plan follows the job]: saved with every step
     if step and progress.get("plan_budget_bytes") != plan.budget_bytes:  # a new plan: its peak and times afresh
         progress.update(peak_bytes=0, timed_steps=0, timed_s=0.0, plan_budget_bytes=plan.budget_bytes)
     if step < config.steps:

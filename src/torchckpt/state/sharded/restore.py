@@ -33,9 +33,10 @@ from torchckpt.state.read.load import apply_snapshot
 from torchckpt.state.read.newest import candidate_steps, read_newest_valid
 from torchckpt.state.read.step import read_manifest
 from torchckpt.state.sharded.items import forget_initialised_state, is_sharded_item, live_state, pair_optimizers
+from torchckpt.state.sharded.optimizer_shapes import shape_like_saved
 from torchckpt.state.sharded.rank_group import RankGroup
 from torchckpt.state.sharded.rank_local import prepare_rank_local
-from torchckpt.state.sharded.step import ShardedStep, dcp_load, open_sharded
+from torchckpt.state.sharded.step import ShardedStep, dcp_load, open_sharded, shard_reader
 from torchckpt.state.storage.base import Storage
 
 
@@ -98,7 +99,13 @@ def _read_sharded_items(step: ShardedStep, ranks: RankGroup | None, items: Mappi
     """Each sharded item's saved state, its tensors read (through DCP) into copies shaped like the live ones;
     the saved keys and parameter groups are checked against the live object's first."""
     targets: dict[str, torch.Tensor] = {}
+    reader = shard_reader(step)
     for name in names:
+        if isinstance(items[name], torch.optim.Optimizer):
+            # optimizer_shapes.py's [a fresh optimizer is shaped, not stepped]: no optimizer step to make its state
+            saved = {key[len(name) + 1:]: (md.size, md.properties.dtype)  # type: ignore[union-attr]
+                     for key, md in reader.metadata.state_dict_metadata.items() if key.startswith(name + ".")}
+            shape_like_saved(items[name], trees_saved[name], saved)
         live = live_state(name, items[name], items, pairs, keep_initialised=True)
         live_tree, live_tensors = split_tensors(live, name, sharded=True)
         saved_keys = tensor_keys(trees_saved[name])
@@ -106,7 +113,7 @@ def _read_sharded_items(step: ShardedStep, ranks: RankGroup | None, items: Mappi
         # empty is safe: decode_index proved the saved chunks tile every tensor exactly (no gap, no overlap)
         targets.update({f"{name}.{key}": torch.empty_like(live_tensors[key]) for key in saved_keys})
     if targets:
-        dcp_load(step, ranks, targets, source)
+        dcp_load(step, ranks, targets, source, reader=reader)
     states = {}
     for name in names:
         loaded = {key[len(name) + 1:]: t for key, t in targets.items() if key.startswith(name + ".")}

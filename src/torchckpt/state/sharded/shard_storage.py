@@ -54,6 +54,7 @@ from torchckpt.state.format.codec import SAFETENSORS_DTYPES
 from torchckpt.state.format.hashing import HASH_ALGORITHMS, hash_bytes
 from torchckpt.state.format.manifest import FileEntry
 from torchckpt.state.format.tensor_chunks import safetensors_chunks
+from torchckpt.state.sharded.part_reads import IntoReader, load_parts, read_part_into, readable_into
 from torchckpt.state.storage.base import StepWriter
 from torchckpt.state.storage.hashed_write import hash_thread, write_hashed
 
@@ -363,12 +364,14 @@ class ShardReader(StorageReader):
         >>> tmp.cleanup()
     """
 
-    def __init__(self, index: bytes, read_range: RangeReader, *, source: str) -> None:
+    def __init__(self, index: bytes, read_range: RangeReader, *, source: str,
+                 read_into: IntoReader | None = None) -> None:
         super().__init__()
         self._source = source
         self.metadata, self.locations = decode_index(index, f"{source}/{INDEX_NAME}")
         self._algorithm = json.loads(index)["hash_algorithm"]  # checked by decode_index
         self._read_range = read_range
+        self._read_into = read_into  # part_reads.py's [a part is read into its target], where the storage can
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -396,16 +399,25 @@ class ShardReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read, verify and copy each planned part of a saved chunk ([every byte read is verified])."""
-        for item in plan.items:
-            source = self._chunk_part(item)
-            target = planner.resolve_tensor(item).detach()
-            target.copy_(source)
-            planner.commit_tensor(item, target)
+        load_parts(plan.items, planner, self._part_into, self._chunk_part)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _chunk_part(self, item: ReadItem) -> torch.Tensor:
+    def _part_into(self, item: ReadItem, target: torch.Tensor) -> Callable[[], None] | None:
+        """part_reads.py's [a part is read into its target]: the check of its blocks, None for the general way."""
+        fqn, offsets, location, dtype, lengths, _, first, last = self._part(item)
+        if self._read_into is None or not readable_into(target, dtype, math.prod(lengths), first, last):
+            return None
+        corrupt = lambda problem: self._corrupt(location.file, f"chunk {fqn}@{list(offsets)}: {problem}")  # noqa: E731
+        count, check = read_part_into(self._read_into, location.file, location.offset, location.length,
+                                      location.blocks, self._algorithm, BLOCK_BYTES,
+                                      (first * dtype.itemsize, (last + 1) * dtype.itemsize), target, corrupt)
+        self.bytes_read += count
+        return check
+
+    def _part(self, item: ReadItem) -> tuple[str, tuple, Any, torch.dtype, list[int], list[int], int, int]:
+        """A part's chunk (fqn, offsets, location, dtype), lengths, the chunk's strides, its first and last element."""
         fqn = item.storage_index.fqn
         md = self.metadata.state_dict_metadata[fqn]
         offsets = tuple(item.storage_index.offset or ())
@@ -416,6 +428,10 @@ class ShardReader(StorageReader):
         strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
         first = sum(o * s for o, s in zip(part_at, strides))
         last = sum((o + n - 1) * s for o, n, s in zip(part_at, lengths, strides))
+        return fqn, offsets, location, dtype, lengths, strides, first, last
+
+    def _chunk_part(self, item: ReadItem) -> torch.Tensor:
+        fqn, offsets, location, dtype, lengths, strides, first, last = self._part(item)
         if math.prod(lengths) == 0:
             return torch.empty(lengths, dtype=dtype)
         begin_block = first * dtype.itemsize // BLOCK_BYTES

@@ -7,6 +7,7 @@ files whole and checked against the manifest, the shards in blocks verified befo
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,13 +96,20 @@ def shard_reader(step: ShardedStep) -> ShardReader:
     """
     index = step.read_file(INDEX_NAME)
 
-    def read_range(name: str, offset: int, length: int) -> bytes | bytearray:
+    def in_manifest(name: str) -> str:
         if name not in step.manifest.files:
             path = step.storage.path_of(step.entry, name)
             raise CheckpointCorruptError(f"{path}: missing from the manifest", {path: "missing from the manifest"})
-        return step.storage.read_range(step.entry, name, offset, length)
+        return name
 
-    reader = ShardReader(index, read_range, source=step.storage.path_of(step.entry))
+    def read_range(name: str, offset: int, length: int) -> bytes | bytearray:
+        return step.storage.read_range(step.entry, in_manifest(name), offset, length)
+
+    def read_into(name: str, offset: int, buffers: Sequence[memoryview]) -> int:
+        return step.storage.read_range_into(step.entry, in_manifest(name), offset, buffers)  # type: ignore[attr-defined]
+
+    reader = ShardReader(index, read_range, source=step.storage.path_of(step.entry),
+                         read_into=read_into if hasattr(step.storage, "read_range_into") else None)
     for key, where in reader.locations.items():  # every chunk inside a listed file: no size from the index
         listed = step.manifest.files.get(where.file)  # can make a read or an allocation larger than the files
         if listed is None or where.offset + where.length > listed.size_bytes:
