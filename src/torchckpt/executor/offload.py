@@ -16,9 +16,11 @@ Rules (named in ``docs/design.md``):
    returns, so an address is never reused under a live copy and a storage is copied once; then the device
    references are dropped (on CUDA after the side stream's copies are waited on). Meanwhile the device holds
    what the plain forward pass holds, no more.
-3. **[an alive original is used as is]** When the backward pass needs a tensor whose original device tensor is
-   still alive and unchanged (same version counter), as a block's output can be, the original is used: no
-   second device copy. Otherwise the host copy is brought back.
+3. **[an alive original is used as is]** When the backward pass needs a tensor whose original storage is still
+   alive and unchanged, as a block's output can be, or a rotary table the model made once and passes to every
+   block (each block saves its own view of it, a view that dies with the forward pass while the table lives on),
+   the original storage is used: no second device copy. Alive and unchanged is read on the base tensor the
+   saved one views (views share their base's version counter); otherwise the host copy is brought back.
 4. **[bring back ahead, within a window]** When the backward pass first needs a host copy, the copies packed
    just before it (the backward pass needs them next) are brought back too, up to ``window_bytes`` ahead of
    use; a copy is dropped from the offloader once every saved view of it was handed over, so autograd frees it
@@ -57,15 +59,16 @@ class _Copy:
         self.nbytes = nbytes
         self.device_flat: torch.Tensor | None = None  # the device copy brought back (uint8, whole storage)
         self.ready: Any = None  # CUDA event: the device copy is complete
-        self.original = weakref.ref(original)
-        self.version = original._version
+        base = original._base if original._base is not None else original  # its views share its version counter
+        self.original = weakref.ref(base)
+        self.version = base._version
         self.handles = 0
         self.handed = 0
         self.position = position
         self.ahead = False  # brought back ahead of use, not used yet
 
     def original_alive(self) -> bool:
-        """[an alive original is used as is]: the device tensor copied is alive and unchanged."""
+        """[an alive original is used as is]: the base of the device tensor copied is alive and unchanged."""
         original = self.original()
         return original is not None and original._version == self.version
 
@@ -194,10 +197,15 @@ class Offloader:
         if not isinstance(saved, _Saved):
             return saved
         copy = saved.copy
-        original = saved.original()
-        if original is not None and original._version == copy.version:  # rule 3
+        if copy.original_alive():  # rule 3
             self._handed(copy)
-            return original
+            original = saved.original()
+            if original is not None:
+                return original
+            base = copy.original()
+            assert base is not None  # alive just above; our caller holds no lock that could free it
+            return torch.empty(0, dtype=saved.dtype, device=self.device).set_(
+                base.untyped_storage(), saved.offset, saved.size, saved.stride)
         self._bring_back(copy)
         for ref in reversed(self._order[max(0, copy.position - 64):copy.position]):  # rule 4: ahead of use
             if self._ahead >= self.window_bytes:
