@@ -96,7 +96,7 @@ def test_without_offload_the_profile_has_no_option(measured: tuple) -> None:
     ({"offload": "yes"}, TypeError, "offload must be True or False"),
     ({"host_budget": "1GiB"}, ValueError, "needs offload=True"),
     ({"offload": True, "host_budget": -1}, ValueError, "host_budget must be >= 0"),
-    ({"offload": True, "host_budget": 1.5}, TypeError, "size string"),
+    ({"offload": True, "host_budget": 1.5}, TypeError, "host_budget must be an int number of bytes or a string"),
 ])
 def test_bad_offload_arguments_are_refused_before_profiling(kwargs: dict, error: type, match: str) -> None:
     model = gpt("tiny")

@@ -160,18 +160,26 @@ def _check_non_negative(owner: str, **values: float) -> None:
 _LOSS_HEAD_KEYS = {"path": str, "chunk_tokens": int, "head_bytes": int, "extra_time_s": float}
 
 
-def _check_loss_head(owner: str, entry: object) -> None:
+def _check_entry(owner: str, keys: dict[str, type], entry: object) -> bool:
+    """A dict field that is empty, only a ``note`` (why the option is missing), or exactly ``keys`` with values of
+    their types; True when it carries the keys (``owner`` is ``"Kind.field"``)."""
     if not isinstance(entry, dict):
-        raise ValueError(f"{owner}.loss_head must be a dict; got {entry!r}")
+        raise ValueError(f"{owner} must be a dict; got {entry!r}")
     if not entry or set(entry) == {"note"}:
-        return
-    if set(entry) - {"note"} != set(_LOSS_HEAD_KEYS):
-        raise ValueError(f"{owner}.loss_head must have the keys {sorted(_LOSS_HEAD_KEYS)} (or only 'note'); "
-                         f"got {sorted(entry)}")
-    for key, kind in _LOSS_HEAD_KEYS.items():
+        return False
+    if set(entry) - {"note"} != set(keys):
+        raise ValueError(f"{owner} must have the keys {sorted(keys)} (or only 'note'); got {sorted(entry)}")
+    for key, kind in keys.items():
         value = entry[key]
         if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
-            raise ValueError(f"{owner}.loss_head[{key!r}] must be a {kind.__name__}; got {value!r}")
+            raise ValueError(f"{owner}[{key!r}] must be a {kind.__name__}; got {value!r}")
+    return True
+
+
+def _check_loss_head(owner: str, entry: object) -> None:
+    if not _check_entry(f"{owner}.loss_head", _LOSS_HEAD_KEYS, entry):
+        return
+    assert isinstance(entry, dict)
     _check_non_negative(f"{owner}.loss_head", chunk_tokens=entry["chunk_tokens"] - 1, head_bytes=entry["head_bytes"],
                         extra_time_s=entry["extra_time_s"])
 
@@ -183,17 +191,9 @@ _OFFLOAD_KEYS = {"window_bytes": int, "host_budget_bytes": int, "d2h_bytes_per_s
 def _check_offload(owner: str, entry: object) -> None:
     """[offloaded blocks]: ``CostModel.offload`` is empty, only a ``note`` (why there is no offload option), or the
     calibration and limits the offload options were measured with."""
-    if not isinstance(entry, dict):
-        raise ValueError(f"{owner}.offload must be a dict; got {entry!r}")
-    if not entry or set(entry) == {"note"}:
+    if not _check_entry(f"{owner}.offload", _OFFLOAD_KEYS, entry):
         return
-    if set(entry) - {"note"} != set(_OFFLOAD_KEYS):
-        raise ValueError(f"{owner}.offload must have the keys {sorted(_OFFLOAD_KEYS)} (or only 'note'); got "
-                         f"{sorted(entry)}")
-    for key, kind in _OFFLOAD_KEYS.items():
-        value = entry[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
-            raise ValueError(f"{owner}.offload[{key!r}] must be a {kind.__name__}; got {value!r}")
+    assert isinstance(entry, dict)
     _check_non_negative(f"{owner}.offload", window_bytes=entry["window_bytes"],
                         host_budget_bytes=entry["host_budget_bytes"], d2h_bytes_per_s=entry["d2h_bytes_per_s"],
                         h2d_bytes_per_s=entry["h2d_bytes_per_s"], time_scale=entry["time_scale"])
