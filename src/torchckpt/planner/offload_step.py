@@ -24,9 +24,11 @@ Rules (costs.py's [offloaded blocks] is the peak model these figures feed):
    ends (HF keeps the embeddings' output in a local variable through the whole forward pass, so a later block's
    forward peak sees it though no backward pass does), or when the block before it saves its own output (a final
    ReLU), which stays on the device wherever a plan runs that block plainly. The backward residue is read against
-   what the measured step had alive. Where the code between blocks keeps tensors (a U-Net's skips,
-   ``chain=False``), a block's ``x_i`` also counts what that code keeps, which offloading the input cannot free:
-   the inputs stay on the device there and ``offload_input_held`` is the plain step's ``input_held_when_plain``.
+   what the measured step had alive, side inputs it had freed (a rotary table once no block keeps a view of it)
+   counted as alive, as they are wherever a plan runs some block plainly. Where the code between blocks keeps
+   tensors (a U-Net's skips, ``chain=False``), a block's ``x_i`` also counts what that code keeps, which offloading
+   the input cannot free: the inputs stay on the device there and ``offload_input_held`` is the plain step's
+   ``input_held_when_plain``.
 5. **[a default host budget]** ``host_budget=None`` takes half the host memory available when profiling
    (``MemAvailable``; 4 GiB where it cannot be read): what plans may keep in host buffers at once. On the CPU
    the window of copies brought back ahead is 0 (a copy back cannot overlap compute there); on CUDA it is a
@@ -189,8 +191,11 @@ def _held_and_backward(costs: ChainCosts, probe: Probe, alive_at_end: list[bool]
         counted = (alive or alive_at_end[i] or (i > 0 and saves_output[i - 1])) if costs.chain else alive
         own = (block.input_bytes if alive else 0) + left  # the residue is read against what the step had alive
         incoming = 0 if i == n - 1 else block.output_bytes
-        out.append((left, max(0, (trace.backward_peak or 0) - (fixed + last_output + held + own + incoming)),
-                    counted))
+        # side inputs this step had freed by the block's backward pass (a rotary table no block kept) count as alive:
+        # in a plan where a plain block keeps them they are, and C counts them from the start
+        residue = (trace.backward_peak or 0) - (fixed + last_output + held + own + incoming) + \
+            trace.freed_side_input_bytes
+        out.append((left, max(0, residue), counted))
         held += own
     return out
 
