@@ -142,7 +142,8 @@ def test_a_window_brings_copies_back_ahead_and_a_second_backward_works() -> None
 
 
 @pytest.mark.parametrize("kwargs, error", [
-    ({"device": "meta"}, ValueError), ({"device": "cpu", "window_bytes": -1}, ValueError),
+    ({"device": "meta"}, ValueError), ({"device": "not a device"}, ValueError),
+    ({"device": "cpu", "window_bytes": -1}, ValueError), ({"device": "cpu", "offload_inputs": 1}, TypeError),
     ({"device": "cpu", "host_limit_bytes": True}, ValueError), ({"device": "cpu", "module": "model"}, TypeError),
 ])
 def test_bad_arguments_are_refused(kwargs: dict, error: type) -> None:

@@ -112,7 +112,13 @@ class Offloader:
 
     def __init__(self, device: torch.device | str, module: nn.Module | None = None, *, window_bytes: int = 0,
                  host_limit_bytes: int | None = None, offload_inputs: bool = False) -> None:
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"Offloader(device={device!r}) is not a device; give 'cpu', 'cuda' or 'cuda:N'") from None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"Offloader(device={device!r}): CUDA is not available in this process; give 'cpu' (a "
+                             "second, counted pool) or run where a GPU is")
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"Offloader(device={device!r}): offload moves CPU (a second, counted pool) or CUDA "
                              "activations; move the model to one of them")
