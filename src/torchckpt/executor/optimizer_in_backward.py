@@ -20,11 +20,15 @@ parameter's gradient, runs the optimizer's own update on that parameter alone an
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from torchckpt.executor.one_parameter import hyperparameters, one_parameter_optimizer, refuse_unsplittable
+from torchckpt.executor.optimizer_offload import state_offload_of
 
 __all__ = ["OptimizerInBackward", "optimizer_in_backward"]
 
@@ -56,15 +60,16 @@ class OptimizerInBackward:
             for param in group["params"]:
                 if not param.requires_grad:
                     continue
-                single = type(optimizer)([{**_hyperparameters(group), "params": [param]}])  # type: ignore[call-arg]
-                single.state = optimizer.state  # [the update is the optimizer's own]
+                single = one_parameter_optimizer(optimizer, group, param)
                 self._hooks.append(param.register_post_accumulate_grad_hook(
                     functools.partial(self._update, single=single, group=group)))
         _ACTIVE.append(self)
 
     def _update(self, param: torch.Tensor, *, single: torch.optim.Optimizer, group: dict) -> None:
-        single.param_groups[0].update(_hyperparameters(group))  # an LR schedule's changes included
-        single.step()
+        single.param_groups[0].update(hyperparameters(group))  # an LR schedule's changes included
+        offload = state_offload_of(self.optimizer)  # executor/optimizer_offload.py: its state comes to the device
+        with offload.on_device(param) if offload is not None else contextlib.nullcontext():
+            single.step()
         param.grad = None
         self.updates += 1
 
@@ -83,10 +88,6 @@ class OptimizerInBackward:
         self.remove()
 
 
-def _hyperparameters(group: dict) -> dict:
-    return {key: value for key, value in group.items() if key != "params"}
-
-
 def optimizer_in_backward(optimizer: torch.optim.Optimizer) -> OptimizerInBackward:
     """Run ``optimizer``'s update for each parameter inside the backward pass (module docstring's rules); returns
     the handle whose ``remove()`` undoes it.
@@ -100,17 +101,7 @@ def optimizer_in_backward(optimizer: torch.optim.Optimizer) -> OptimizerInBackwa
         >>> len(optimizer.state)
         2
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer_in_backward: expected a torch.optim.Optimizer; got {type(optimizer).__name__}")
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("optimizer_in_backward: LBFGS's step needs a closure that evaluates the whole model; it "
-                         "cannot update one parameter at a time (plan without optimizer_in_backward)")
-    for group in optimizer.param_groups:
-        if group.get("fused"):
-            raise ValueError("optimizer_in_backward: a fused optimizer updates all its parameters in one kernel; "
-                             "make it with fused=False, or plan without optimizer_in_backward")
-        if any(p.is_sparse for p in group["params"]):
-            raise ValueError("optimizer_in_backward: sparse parameters are not supported")
+    refuse_unsplittable(optimizer, "optimizer_in_backward")
     if any(h.optimizer is optimizer for h in _ACTIVE):
         raise ValueError("optimizer_in_backward: this optimizer already runs in the backward pass; remove the "
                          "earlier handle first")

@@ -13,6 +13,10 @@ Rules (named in ``docs/design.md``):
    include anyway.
 3. **[a host limit is never crossed]** ``host_buffer(nbytes, limit_bytes=L)`` returns None instead of
    allocating when the live host bytes would exceed ``L``: the caller keeps the tensor on the device.
+4. **[a host tensor is known by its address]** ``host_tensor`` makes a typed host tensor (an optimizer's state
+   between steps, executor/optimizer_offload.py), counted as rule 1 says; every host allocation's address is
+   kept while it lives, so ``is_host_tensor`` tells it apart and a ``MemoryMeter`` entered while it lives does not
+   take it for a device tensor alive at entry.
 """
 
 from __future__ import annotations
@@ -25,17 +29,20 @@ from collections.abc import Iterator
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["host_buffer", "host_live_bytes", "host_peak_bytes", "reset_host_peak", "unmetered"]
+__all__ = ["host_buffer", "host_live_bytes", "host_peak_bytes", "host_tensor", "is_host_tensor", "reset_host_peak",
+           "unmetered"]
 
 _LOCK = threading.Lock()
 _LIVE = 0
 _PEAK = 0
+_ADDRESSES: set[int] = set()  # [a host tensor is known by its address]
 
 
-def _release(nbytes: int) -> None:
+def _release(nbytes: int, address: int) -> None:
     global _LIVE
     with _LOCK:
         _LIVE -= nbytes
+        _ADDRESSES.discard(address)
 
 
 @contextlib.contextmanager
@@ -64,12 +71,35 @@ def host_buffer(nbytes: int, *, pin: bool = False, limit_bytes: int | None = Non
         True
         >>> del buffer
     """
-    global _LIVE, _PEAK
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"host_buffer(nbytes): expected an int >= 0; got {nbytes!r}")
+    return _counted((nbytes,), torch.uint8, pin, limit_bytes)
+
+
+def host_tensor(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
+    """A counted, uninitialised host tensor of ``shape`` and ``dtype``, pinned if ``pin`` ([a host tensor is known
+    by its address]).
+
+    Example:
+        >>> state = host_tensor((2, 3), torch.float32)
+        >>> is_host_tensor(state), is_host_tensor(torch.zeros(2, 3))
+        (True, False)
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"host_tensor(dtype): expected a torch.dtype; got {dtype!r}")
+    buffer = _counted(tuple(shape), dtype, pin, None)
+    assert buffer is not None  # no limit: never refused
+    return buffer
+
+
+def _counted(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, limit_bytes: int | None) -> torch.Tensor | None:
+    global _LIVE, _PEAK
     if limit_bytes is not None and (isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int)
                                     or limit_bytes < 0):
         raise ValueError(f"host_buffer(limit_bytes): expected None or an int >= 0; got {limit_bytes!r}")
+    nbytes = dtype.itemsize
+    for size in shape:
+        nbytes *= size
     with _LOCK:
         if limit_bytes is not None and _LIVE + nbytes > limit_bytes:
             return None
@@ -77,12 +107,27 @@ def host_buffer(nbytes: int, *, pin: bool = False, limit_bytes: int | None = Non
         _PEAK = max(_PEAK, _LIVE)
     try:
         with unmetered():
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            buffer = torch.empty(shape, dtype=dtype, pin_memory=pin)
     except BaseException:
-        _release(nbytes)
+        _release(nbytes, 0)
         raise
-    weakref.finalize(buffer, _release, nbytes)
+    address = buffer.untyped_storage().data_ptr()
+    with _LOCK:
+        _ADDRESSES.add(address)
+    weakref.finalize(buffer, _release, nbytes, address)
     return buffer
+
+
+def is_host_tensor(tensor: torch.Tensor | torch.UntypedStorage) -> bool:
+    """Whether ``tensor`` (or a storage) lives in a buffer ``host_buffer`` or ``host_tensor`` made (still alive).
+
+    Example:
+        >>> is_host_tensor(torch.ones(3))
+        False
+    """
+    storage = tensor if isinstance(tensor, torch.UntypedStorage) else tensor.untyped_storage()
+    address = storage.data_ptr()
+    return address != 0 and address in _ADDRESSES
 
 
 def host_live_bytes() -> int:

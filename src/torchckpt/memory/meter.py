@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from torchckpt._host import local_part
-from torchckpt.memory.host_pool import host_peak_bytes, reset_host_peak
+from torchckpt.memory.host_pool import host_peak_bytes, is_host_tensor, reset_host_peak
 from torchckpt.memory.rss import read_rss_bytes, reset_peak_rss
 
 __all__ = ["MemoryMeter", "MemoryBreakdown", "device_of", "synchronize"]
@@ -412,7 +412,7 @@ class MemoryMeter:
             self._observe_storage(storage)
 
     def _observe_storage(self, storage: torch.UntypedStorage) -> None:
-        if storage.device.type != self.device.type:
+        if storage.device.type != self.device.type or is_host_tensor(storage):  # host_pool.py's rule 4
             return
         key = id(storage)
         if key in self._uncounted:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from torchckpt.memory import device_of
+from torchckpt.memory.host_pool import is_host_tensor
 
 __all__ = ["StepFn", "StepRunner", "call_model", "check_micro_batches", "default_loss"]
 
@@ -243,8 +244,9 @@ class StepRunner:
             return sum(seen.values())
 
         params = list(self.model.parameters())
-        state = [] if self.optimizer is None else [value for entry in self.optimizer.state.values()
-                                                   for value in entry.values() if isinstance(value, torch.Tensor)]
+        state = [] if self.optimizer is None else [  # state offloaded to host memory is not the device's
+            value for entry in self.optimizer.state.values() for value in entry.values()
+            if isinstance(value, torch.Tensor) and not is_host_tensor(value)]
         return {"parameters": storages(params), "gradients": storages(p for p in params if p.requires_grad),
                 "optimizer_state": storages(state)}
 

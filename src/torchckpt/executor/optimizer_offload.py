@@ -1,0 +1,178 @@
+"""The optimizer's state in host memory between steps, brought to the device one parameter at a time.
+
+An AdamW's state is twice its parameters, and it stays on the device for the whole step although only
+``optimizer.step()`` reads it. ``OptimizerOffload(optimizer)`` keeps it in host memory instead (pinned on CUDA;
+on the CPU the second pool of ``memory/host_pool.py``, which ``MemoryMeter`` does not count as device bytes), so
+the device holds, beyond parameters and gradients, at most one parameter's state at a time. Rules:
+
+1. **[the state lives on the host between steps]** Every state tensor of one or more dimensions (AdamW's
+   ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``) is moved into a host tensor when the offload is made,
+   after each update that made it, and after ``optimizer.load_state_dict`` (which puts it next to the parameter).
+   Scalars (AdamW's ``step``) stay where the optimizer keeps them. ``optimizer.state_dict()`` and checkpoints then
+   see host tensors; ``remove()`` moves the state back to its parameters' devices.
+2. **[one parameter's state on the device at a time]** ``optimizer.step()`` runs, before the optimizer's own step,
+   the optimizer's update one parameter at a time (executor/one_parameter.py): that parameter's state is copied
+   to its device, updated there, copied back into the same host tensors, and the device copies go before the next
+   parameter. Then the optimizer's own step runs with the gradients held aside (it finds none and changes nothing,
+   while its hooks and an LR scheduler's bookkeeping run as always), and the gradients come back. On CUDA the
+   copies are asynchronous on the current stream (ordered with the update, the caching allocator safe), and the
+   step ends with a synchronisation, so the host tensors are final when it returns. With the optimizer inside the
+   backward pass (executor/optimizer_in_backward.py) each of its per-parameter updates does the same.
+3. **[the update stays the optimizer's own]** On the CPU, where optimizers take one tensor at a time by default, the
+   parameters and state after the step are bitwise those of the plain ``optimizer.step()``
+   (tests/executor/test_optimizer_offload.py). A closure (``step(closure)``), LBFGS, fused optimizers and sparse
+   parameters are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from torchckpt.executor.one_parameter import hyperparameters, one_parameter_optimizer, refuse_unsplittable
+from torchckpt.memory.host_pool import host_tensor, is_host_tensor, unmetered
+
+__all__ = ["OptimizerOffload", "state_offload_of"]
+
+_ACTIVE: dict[int, OptimizerOffload] = {}  # id(optimizer) -> its offload
+
+
+def state_offload_of(optimizer: torch.optim.Optimizer) -> OptimizerOffload | None:
+    """The ``OptimizerOffload`` keeping ``optimizer``'s state in host memory now, if any.
+
+    Example:
+        >>> state_offload_of(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)) is None
+        True
+    """
+    offload = _ACTIVE.get(id(optimizer))
+    return offload if offload is not None and offload.optimizer is optimizer else None
+
+
+class OptimizerOffload:
+    """Keep ``optimizer``'s state in host memory between steps (module docstring's rules) until ``remove()``.
+
+    ``pin`` (default: on CUDA) pins the host tensors. ``updates`` counts the per-parameter updates run.
+
+    Example:
+        >>> layer = torch.nn.Linear(256, 256)
+        >>> optimizer = torch.optim.AdamW(layer.parameters())
+        >>> offload = OptimizerOffload(optimizer)
+        >>> layer(torch.ones(4, 256)).sum().backward()
+        >>> optimizer.step()
+        >>> offload.updates, all(is_host_tensor(state["exp_avg"]) for state in optimizer.state.values())
+        (2, True)
+        >>> offload.remove()
+        >>> is_host_tensor(optimizer.state[layer.weight]["exp_avg"])
+        False
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, pin: bool | None = None) -> None:
+        refuse_unsplittable(optimizer, "OptimizerOffload")
+        if pin is not None and not isinstance(pin, bool):
+            raise TypeError(f"OptimizerOffload(pin=...): expected None, True or False; got {pin!r}")
+        if state_offload_of(optimizer) is not None:
+            raise ValueError("OptimizerOffload: this optimizer's state is already in host memory; remove() the "
+                             "earlier offload first")
+        self.optimizer = optimizer
+        devices = {p.device.type for group in optimizer.param_groups for p in group["params"]}
+        self.pin = ("cuda" in devices and torch.cuda.is_available()) if pin is None else pin
+        self.updates = 0
+        self._singles: dict[int, torch.optim.Optimizer] = {}
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._hooks = [optimizer.register_step_pre_hook(self._before_step),
+                       optimizer.register_step_post_hook(self._after_step),
+                       optimizer.register_load_state_dict_post_hook(lambda _optimizer: self._to_host())]
+        _ACTIVE[id(optimizer)] = self
+        self._to_host()
+
+    # ------------------------------------------------------------------------------------ where the state lives
+    def _to_host(self) -> None:
+        """[the state lives on the host between steps]."""
+        for param, state in list(self.optimizer.state.items()):
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and not is_host_tensor(value):
+                    host = host_tensor(value.shape, value.dtype, pin=self.pin)
+                    with unmetered():
+                        host.copy_(value)
+                    state[key] = host
+        self._synchronize()
+
+    def _to_devices(self) -> None:
+        for param, state in list(self.optimizer.state.items()):
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and is_host_tensor(value):
+                    state[key] = value.to(param.device, copy=True)
+
+    @contextlib.contextmanager
+    def on_device(self, param: torch.Tensor) -> Iterator[None]:
+        """[one parameter's state on the device at a time]: ``param``'s state on its device inside, back in the same
+        host tensors after (state the update makes for the first time goes to new host tensors)."""
+        state = self.optimizer.state.get(param, {})
+        hosts = {key: value for key, value in state.items() if isinstance(value, torch.Tensor) and is_host_tensor(value)}
+        for key, host in hosts.items():
+            device_copy = torch.empty_like(host, device=param.device)
+            device_copy.copy_(host, non_blocking=self.pin)
+            state[key] = device_copy
+        try:
+            yield
+        finally:
+            state = self.optimizer.state.get(param, {})
+            for key, value in list(state.items()):
+                if not isinstance(value, torch.Tensor) or value.dim() == 0 or is_host_tensor(value):
+                    continue
+                host = hosts.get(key)
+                if host is None or host.shape != value.shape or host.dtype != value.dtype:
+                    host = host_tensor(value.shape, value.dtype, pin=self.pin)
+                with unmetered():
+                    host.copy_(value, non_blocking=self.pin)
+                state[key] = host
+            self.updates += 1
+
+    # ------------------------------------------------------------------------------------ the step
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer itself
+        if closure is not None:
+            raise ValueError("optimizer.step(closure) with the optimizer's state in host memory: the update runs one "
+                             "parameter at a time and cannot re-evaluate the model; call loss.backward() yourself "
+                             "and optimizer.step() without a closure, or plan without optimizer_offload")
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                single = self._singles.get(id(param))
+                if single is None or single.param_groups[0]["params"][0] is not param:
+                    single = self._singles[id(param)] = one_parameter_optimizer(optimizer, group, param)
+                single.param_groups[0].update(hyperparameters(group))  # an LR schedule's changes included
+                with self.on_device(param):
+                    single.step()
+                self._held.append((param, param.grad))
+                param.grad = None  # the optimizer's own step finds none (rule 2)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        for param, grad in self._held:
+            param.grad = grad
+        self._held = []
+        self._synchronize()
+
+    def _synchronize(self) -> None:
+        if self.pin and torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def remove(self) -> None:
+        """Move the state back to its parameters' devices and take the hooks off (idempotent)."""
+        if _ACTIVE.get(id(self.optimizer)) is not self:
+            return
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        del _ACTIVE[id(self.optimizer)]
+        self._to_devices()
+
+    def __enter__(self) -> OptimizerOffload:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.remove()

@@ -1,0 +1,182 @@
+"""The optimizer's state in host memory between steps (executor/optimizer_offload.py): bitwise the optimizer's own
+step, the device holding one parameter's state at a time (exact bytes), checkpoints and load_state_dict, the
+optimizer in the backward pass beside it, and what it refuses."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from torchckpt.executor.optimizer_in_backward import optimizer_in_backward
+from torchckpt.executor.optimizer_offload import OptimizerOffload, state_offload_of
+from torchckpt.memory import MemoryMeter
+from torchckpt.memory.host_pool import host_live_bytes, is_host_tensor
+from torchckpt.models import gpt
+from torchckpt.planner.runner import StepRunner
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adam-decay": lambda params: torch.optim.Adam(params, lr=1e-3, weight_decay=0.01),
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-3, momentum=0.5),
+}
+
+
+def _states_equal(plain: torch.optim.Optimizer, other: torch.optim.Optimizer, pairs: list) -> None:
+    for p, q in pairs:
+        assert plain.state[p].keys() == other.state[q].keys()
+        for key, value in plain.state[p].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(other.state[q][key])), key
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_three_steps_match_the_optimizers_own_step_bitwise(name):
+    torch.manual_seed(0)
+    model = gpt("tiny", dropout=0.0)  # tied embedding and head: one update for the shared weight
+    batch = model.example_batch(batch_size=2, seq_len=32)
+    other = copy.deepcopy(model)
+    plain, offloaded = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](other.parameters())
+    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (plain, offloaded)]
+    with OptimizerOffload(offloaded) as offload:
+        for _ in range(3):
+            for m, o, schedule in ((model, plain, schedules[0]), (other, offloaded, schedules[1])):
+                m(*batch).backward()
+                o.step()
+                grads_kept = all(p.grad is not None for p in m.parameters())
+                o.zero_grad()
+                schedule.step()  # the hyperparameters are read at every update
+                assert grads_kept  # the step leaves the gradients where the loop expects them
+        pairs = list(zip(model.parameters(), other.parameters()))
+        assert all(torch.equal(p, q) for p, q in pairs)
+        _states_equal(plain, offloaded, pairs)
+        tensors = [v for state in offloaded.state.values() for v in state.values() if v.dim() > 0]
+        assert tensors and all(is_host_tensor(v) for v in tensors)
+        assert offload.updates == 3 * len(offloaded.state)
+    assert not any(is_host_tensor(v) for state in offloaded.state.values() for v in state.values())  # remove()
+
+
+def test_the_device_holds_one_parameters_state_at_a_time():
+    """Exact bytes: between steps no state on the device and all of it (2 x parameters for AdamW) on the host; during
+    the step, the device peaks at the plain step's own peak less the state, plus the largest parameter's state."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
+    x = torch.randn(8, 256)
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    largest = max(p.numel() * 4 for p in model.parameters())
+
+    def step_peak(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+        peaks = []
+        for _ in range(2):  # the second step is the steady one (the state exists)
+            model(x).sum().backward()
+            with MemoryMeter() as meter:
+                optimizer.step()
+            optimizer.zero_grad()
+            peaks.append((meter.peak_bytes, meter.baseline_bytes))
+        return peaks[-1]
+
+    plain = torch.optim.AdamW(model.parameters())
+    plain_peak, plain_base = step_peak(plain)
+    del plain  # its state goes; the same parameters take a fresh, offloaded AdamW
+    offloaded = torch.optim.AdamW(model.parameters())
+    before = host_live_bytes()
+    with OptimizerOffload(offloaded):
+        peak, base = step_peak(offloaded)
+        assert host_live_bytes() - before == 2 * param_bytes  # exp_avg and exp_avg_sq, exactly
+        scalars = 4 * len(offloaded.state)  # AdamW's float32 step counters stay where AdamW keeps them
+        assert StepRunner(model, (x,), optimizer=offloaded).state_bytes()["optimizer_state"] == scalars
+        with MemoryMeter(module=model, optimizer=offloaded) as meter:
+            assert meter.breakdown().optimizer_state == scalars
+    assert plain_base - base == 2 * param_bytes  # the device no longer holds the state between steps
+    assert peak - base == (plain_peak - plain_base) + 2 * largest  # one parameter's state on the device at a time
+    assert host_live_bytes() == before  # remove() brought it back; the host tensors are gone
+
+
+def test_load_state_dict_and_a_checkpoint_resume_bitwise(tmp_path):
+    import torchckpt
+
+    torch.manual_seed(2)
+    model = gpt("tiny", dropout=0.0)
+    batch = model.example_batch(batch_size=2, seq_len=32)
+    reference = copy.deepcopy(model)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    for _ in range(4):
+        reference(*batch).backward()
+        plain.step()
+        plain.zero_grad()
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with OptimizerOffload(optimizer):
+        for _ in range(2):
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        checkpointer = torchckpt.Checkpointer(tmp_path / "run")
+        checkpointer.save(2, model=model, optimizer=optimizer)
+        checkpointer.close()
+    resumed_model = gpt("tiny", dropout=0.0)
+    resumed = torch.optim.AdamW(resumed_model.parameters(), lr=1e-3)
+    with OptimizerOffload(resumed):
+        restorer = torchckpt.Checkpointer(tmp_path / "run")
+        assert restorer.restore(model=resumed_model, optimizer=resumed) == 2
+        restorer.close()
+        tensors = [v for state in resumed.state.values() for v in state.values() if v.dim() > 0]
+        assert tensors and all(is_host_tensor(v) for v in tensors)  # load_state_dict put them by the parameter
+        for _ in range(2):
+            resumed_model(*batch).backward()
+            resumed.step()
+            resumed.zero_grad()
+    pairs = list(zip(reference.parameters(), resumed_model.parameters()))
+    assert all(torch.equal(p, q) for p, q in pairs)
+    _states_equal(plain, resumed, pairs)
+
+
+def test_beside_the_optimizer_in_the_backward_pass():
+    torch.manual_seed(3)
+    model = gpt("tiny", dropout=0.0)
+    batch = model.example_batch(batch_size=2, seq_len=32)
+    other = copy.deepcopy(model)
+    plain, inside = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(other.parameters())
+    with OptimizerOffload(inside) as offload, optimizer_in_backward(inside):
+        for _ in range(2):
+            model(*batch).backward()
+            plain.step()
+            plain.zero_grad()
+            other(*batch).backward()  # the updates run in here, each with its state brought to the device
+            inside.step()
+        assert offload.updates == 2 * len(inside.state)
+        assert all(is_host_tensor(s["exp_avg"]) for s in inside.state.values())
+    pairs = list(zip(model.parameters(), other.parameters()))
+    assert all(torch.equal(p, q) for p, q in pairs)
+    _states_equal(plain, inside, pairs)
+
+
+def test_what_it_refuses():
+    layer = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="LBFGS"):
+        OptimizerOffload(torch.optim.LBFGS(layer.parameters()))
+    with pytest.raises(ValueError, match="fused=False"):
+        OptimizerOffload(torch.optim.AdamW(layer.parameters(), fused=True))
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        OptimizerOffload(layer)  # type: ignore[arg-type]
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(TypeError, match="pin"):
+        OptimizerOffload(optimizer, pin="yes")  # type: ignore[arg-type]
+    offload = OptimizerOffload(optimizer)
+    assert state_offload_of(optimizer) is offload
+    with pytest.raises(ValueError, match="already in host memory"):
+        OptimizerOffload(optimizer)
+    layer(torch.ones(1, 2)).sum().backward()
+    weight = layer.weight.detach().clone()
+
+    def closure() -> torch.Tensor:
+        return layer(torch.ones(1, 2)).sum()
+
+    with pytest.raises(ValueError, match="closure"):
+        optimizer.step(closure)
+    assert torch.equal(layer.weight, weight)  # refused before anything changed
+    offload.remove()
+    offload.remove()  # idempotent
+    assert state_offload_of(optimizer) is None
+    optimizer.step(closure)  # as before once removed
