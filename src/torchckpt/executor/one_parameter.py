@@ -22,7 +22,8 @@ def hyperparameters(group: dict) -> dict:
     return {key: value for key, value in group.items() if key != "params"}
 
 
-def one_parameter_optimizer(optimizer: torch.optim.Optimizer, group: dict, param: torch.Tensor) -> torch.optim.Optimizer:
+def one_parameter_optimizer(optimizer: torch.optim.Optimizer, group: dict,
+                            param: torch.Tensor) -> torch.optim.Optimizer:
     """An optimizer of ``optimizer``'s class and ``group``'s hyperparameters over ``param`` alone, sharing
     ``optimizer.state`` ([the update is the optimizer's own]); refresh its hyperparameters from ``group`` before
     each ``step()`` (``single.param_groups[0].update(...)``), as LR schedules change them.

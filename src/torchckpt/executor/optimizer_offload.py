@@ -91,7 +91,7 @@ class OptimizerOffload:
     # ------------------------------------------------------------------------------------ where the state lives
     def _to_host(self) -> None:
         """[the state lives on the host between steps]."""
-        for param, state in list(self.optimizer.state.items()):
+        for state in list(self.optimizer.state.values()):
             for key, value in list(state.items()):
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and not is_host_tensor(value):
                     host = host_tensor(value.shape, value.dtype, pin=self.pin)
@@ -111,7 +111,8 @@ class OptimizerOffload:
         """[one parameter's state on the device at a time]: ``param``'s state on its device inside, back in the same
         host tensors after (state the update makes for the first time goes to new host tensors)."""
         state = self.optimizer.state.get(param, {})
-        hosts = {key: value for key, value in state.items() if isinstance(value, torch.Tensor) and is_host_tensor(value)}
+        hosts = {key: value for key, value in state.items()
+                 if isinstance(value, torch.Tensor) and is_host_tensor(value)}
         for key, host in hosts.items():
             device_copy = torch.empty_like(host, device=param.device)
             device_copy.copy_(host, non_blocking=self.pin)
@@ -123,12 +124,12 @@ class OptimizerOffload:
             for key, value in list(state.items()):
                 if not isinstance(value, torch.Tensor) or value.dim() == 0 or is_host_tensor(value):
                     continue
-                host = hosts.get(key)
-                if host is None or host.shape != value.shape or host.dtype != value.dtype:
-                    host = host_tensor(value.shape, value.dtype, pin=self.pin)
+                kept = hosts.get(key)
+                target = kept if kept is not None and kept.shape == value.shape and kept.dtype == value.dtype else \
+                    host_tensor(value.shape, value.dtype, pin=self.pin)
                 with unmetered():
-                    host.copy_(value, non_blocking=self.pin)
-                state[key] = host
+                    target.copy_(value, non_blocking=self.pin)
+                state[key] = target
             self.updates += 1
 
     # ------------------------------------------------------------------------------------ the step
