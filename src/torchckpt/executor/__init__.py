@@ -1,7 +1,8 @@
 """The executor: checkpoint a function or modules with JAX-style save policies, and inspect what is kept.
 
 Public seam: ``checkpoint``, ``checkpoint_sequential``, ``checkpoint_modules`` (+ ``CheckpointHandle``,
-``wrap_forward``, ``recompute_checks``), ``Offloader`` (saved activations moved to host memory), the
+``wrap_forward``, ``recompute_checks``), ``Offloader`` (saved activations moved to host memory),
+``OptimizerOffload`` (the optimizer's state in host memory between steps), the
 policies (``Policy``, ``OpInfo``, ``tag`` and the named policies) and
 ``saved_residuals``. The planner lowers its plans onto these; it never reaches inside.
 """
@@ -13,6 +14,7 @@ from torchckpt.executor.checkpoint import (
     checkpoint_sequential,
 )
 from torchckpt.executor.offload import Offloader
+from torchckpt.executor.optimizer_offload import OptimizerOffload
 from torchckpt.executor.plain_regions import recompute_checks
 from torchckpt.executor.policies import (
     POLICIES,
@@ -39,6 +41,7 @@ __all__ = [
     "checkpoint_modules",
     "recompute_checks",
     "Offloader",
+    "OptimizerOffload",
     "wrap_forward",
     "CheckpointHandle",
     "RematError",

@@ -21,6 +21,7 @@ from torchckpt.executor.kv_cache import disable_kv_cache
 from torchckpt.executor.loss_head import ChunkedHeadHandle
 from torchckpt.executor.offload import Offloader
 from torchckpt.executor.optimizer_in_backward import optimizer_in_backward
+from torchckpt.executor.optimizer_offload import OptimizerOffload, state_offload_of
 from torchckpt.memory.meter import device_of
 from torchckpt.planner.blocks import block_pieces, positional_form
 from torchckpt.planner.layout import LayoutWatch, fsdp_units_among
@@ -43,7 +44,9 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
     chunked loss head (``plan.loss_head``) makes that head return deferred logits whose cross-entropy is
     computed in chunks (``executor/loss_head.py``); a loop that reads them whole gets them, with a warning that
     the plan's peak assumed otherwise. A plan made with ``optimizer_in_backward=True`` runs ``optimizer``'s update
-    per parameter inside the backward pass (``executor/optimizer_in_backward.py``) until ``remove()``. Its offloaded
+    per parameter inside the backward pass (``executor/optimizer_in_backward.py``) until ``remove()``; one made with
+    ``optimizer_offload=True`` keeps ``optimizer``'s state in host memory (``executor/optimizer_offload.py``) until
+    then. Its offloaded
     blocks (``PlannedBlock.offload``) run through one ``executor/offload.py`` ``Offloader`` with the plan's window
     and host budget; a plan with any is refused on a compiled model (executor/offload.py runs eagerly only).
 
@@ -70,6 +73,9 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
         raise ValueError("this plan was made with the optimizer's update inside the backward pass "
                          "(optimizer_in_backward=True): pass the optimizer, "
                          "torchckpt.apply(model, plan, optimizer=...)")
+    if plan.optimizer_offload and optimizer is None:
+        raise ValueError("this plan was made with the optimizer's state in host memory (optimizer_offload=True): "
+                         "pass the optimizer, torchckpt.apply(model, plan, optimizer=...)")
     blocks = [uncompiled(model.get_submodule(path)) for path in plan.block_paths]
     wrapped: list[nn.Module] = []
     watch = LayoutWatch(plan)  # planner/layout.py's [a plan names the layout it was made for]
@@ -105,13 +111,14 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
     # planner/layout.py's [a plan names the layout it was made for]: seen from the model's own call, outside
     # compiled blocks
     undo = [model.register_forward_pre_hook(lambda _module, _args: watch.see(blocks)).remove]
-    if plan.optimizer_in_backward:
-        assert optimizer is not None
-        try:
-            undo.append(optimizer_in_backward(optimizer).remove)
-        except (TypeError, ValueError):
-            CheckpointHandle(wrapped, cache_configs, undo).remove()
-            raise
+    try:  # the state offloaded first: the updates inside the backward pass bring it to the device
+        if plan.optimizer_offload and state_offload_of(optimizer) is None:  # type: ignore[arg-type]
+            undo.append(OptimizerOffload(optimizer).remove)  # type: ignore[arg-type]
+        if plan.optimizer_in_backward:
+            undo.append(optimizer_in_backward(optimizer).remove)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        CheckpointHandle(wrapped, cache_configs, undo).remove()
+        raise
     return CheckpointHandle(wrapped, cache_configs, undo)
 
 

@@ -332,7 +332,9 @@ class CostModel:
     block module paths and ``plan.fingerprint``, recorded by ``profile`` so that ``ChainCosts.plan`` can make
     plans from these costs alone); ``state_bytes`` (what training keeps whatever the plan, for messages only:
     ``parameters``, ``gradients``, ``optimizer_state``, ``StepRunner.state_bytes``; parameters and optimizer state
-    are inside ``fixed_bytes``, gradients arise in the backward pass; empty where not recorded).
+    are inside ``fixed_bytes``, gradients arise in the backward pass; empty where not recorded);
+    ``optimizer_offload`` (measured with the optimizer's state in host memory, executor/optimizer_offload.py: it is
+    then not in ``fixed_bytes``, and ``tail_bytes`` includes the optimizer step's peak).
 
     Example:
         >>> block = BlockCosts(name="b", input_bytes=4, output_bytes=4, saved_bytes=8, forward_time_s=1.0)
@@ -360,6 +362,7 @@ class CostModel:
     micro_batches: int = 1
     state_bytes: dict[str, int] = field(default_factory=dict)
     offload: dict[str, Any] = field(default_factory=dict)
+    optimizer_offload: bool = False
 
     def __post_init__(self) -> None:
         kind = type(self).__name__
@@ -387,9 +390,10 @@ class CostModel:
         blocks = tuple(b if isinstance(b, BlockCosts) else BlockCosts(**b) for b in self.blocks)
         if not blocks:
             raise ValueError(f"{kind}.blocks is empty: a cost model needs at least one block")
-        if not isinstance(self.measured, bool) or not isinstance(self.optimizer_in_backward, bool):
-            raise ValueError(f"{kind}.measured and .optimizer_in_backward must be bools; got {self.measured!r}, "
-                             f"{self.optimizer_in_backward!r}")
+        if not all(isinstance(flag, bool) for flag in (self.measured, self.optimizer_in_backward,
+                                                        self.optimizer_offload)):
+            raise ValueError(f"{kind}.measured, .optimizer_in_backward and .optimizer_offload must be bools; got "
+                             f"{self.measured!r}, {self.optimizer_in_backward!r}, {self.optimizer_offload!r}")
         if not isinstance(self.chain, bool):
             raise ValueError(f"{kind}.chain must be a bool; got {self.chain!r}")
         for before, after in zip(blocks, blocks[1:] if self.chain else ()):

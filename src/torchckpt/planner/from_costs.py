@@ -242,7 +242,8 @@ def plan_from_costs(costs: CostModel, budget: int | str, *, block_paths: Sequenc
                 reference={"no_checkpointing_peak_bytes": float(plain_peak), "step_time_s": costs.step_time_s,
                            "margin_bytes": float(applied)},
                 notes=notes, loss_head=head, optimizer_in_backward=costs.optimizer_in_backward,
-                micro_batches=costs.micro_batches, offload=offload_entry(costs, solution))
+                micro_batches=costs.micro_batches, offload=offload_entry(costs, solution),
+                optimizer_offload=costs.optimizer_offload)
 
 
 def offload_entry(costs: CostModel, solution: solver.Solution) -> dict[str, int]:

@@ -20,6 +20,7 @@ from torchckpt.executor.compiled import is_compiled_module, uncompiled
 from torchckpt.planner.batch_slices import check_batch_slices
 from torchckpt.planner.from_costs import check_margin_form, plan_from_costs
 from torchckpt.planner.offload_step import check_offload_args
+from torchckpt.planner.optimizer_options import check_optimizer_options
 from torchckpt.planner.plan import Plan, fingerprint
 from torchckpt.planner.profile import profile
 from torchckpt.planner.runner import StepFn, check_micro_batches
@@ -32,7 +33,7 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
          blocks: str | Sequence[nn.Module] = "auto", regions: bool = True, step_fn: StepFn | None = None,
          margin: int | float | str = "auto", loss_head: bool | str = True, pieces: bool = True,
          optimizer_in_backward: bool = False, micro_batches: int = 1, batch_slices: int = 1,
-         offload: bool = False, host_budget: int | str | None = None) -> Plan:
+         offload: bool = False, host_budget: int | str | None = None, optimizer_offload: bool = False) -> Plan:
     """Measure ``model`` and return the plan with the least predicted recompute time within ``budget``.
 
     The budget covers the whole step as the profiler runs it: by default ``loss = (loss_fn or
@@ -54,6 +55,11 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     parameter inside the backward pass, so gradients do not all live at once; apply the plan with
     ``torchckpt.apply(model, plan, optimizer=optimizer)``. Not with gradient clipping, GradScaler or gradient
     accumulation (executor/optimizer_in_backward.py's [what needs every gradient is refused]).
+
+    ``optimizer_offload=True`` (opt-in; needs ``optimizer``) keeps the optimizer's state (AdamW's: twice the
+    parameters) in host memory between steps and brings one parameter's state to the device at a time for its
+    update (executor/optimizer_offload.py), bitwise the optimizer's own step; the profiler measures that step's peak.
+    Apply the plan with ``torchckpt.apply(model, plan, optimizer=optimizer)``. Not with ``step(closure)``.
 
     ``micro_batches`` (gradient accumulation: backward passes per optimizer step, 1 by default): the budget then
     holds on every micro-batch, the later ones finding the earlier ones' gradients alive (Note: [a later
@@ -97,6 +103,8 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     check_micro_batches(micro_batches)
     check_batch_slices(batch_slices)
     check_offload_args(offload, host_budget)
+    check_optimizer_options(optimizer, optimizer_in_backward=optimizer_in_backward, optimizer_offload=optimizer_offload,
+                            micro_batches=micro_batches, batch_slices=batch_slices)
     if offload and is_compiled_module(model):
         raise ValueError("offload=True plans run eagerly only (saved-tensor hooks do not run inside compiled "
                          "graphs): plan the model before torch.compile, or plan with offload=False")
@@ -105,7 +113,8 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     costs = profile(model, example_inputs, loss_fn=loss_fn, optimizer=optimizer, blocks=blocks, regions=regions,
                     step_fn=step_fn, loss_head=loss_head, pieces=pieces,
                     optimizer_in_backward=optimizer_in_backward, micro_batches=micro_batches,
-                    batch_slices=batch_slices, offload=offload, host_budget=host_budget)
+                    batch_slices=batch_slices, offload=offload, host_budget=host_budget,
+                    optimizer_offload=optimizer_offload)
     paths = list(costs.block_paths)
     phase("solving")  # _progress.py's [quiet unless an application listens]
     return plan_from_costs(costs, budget, block_paths=paths,

@@ -33,14 +33,16 @@ from torchckpt.planner.blocks import describe_paths, own_type, structure_key
 __all__ = ["Plan", "PlanMismatchError", "PlanPiece", "PlannedBlock", "PlannedRegion", "fingerprint",
            "iter_blocks"]
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 # A plan is written as the lowest version that carries it, so that releases before an option read the plans
 # without it the same way and refuse, by version, those with it instead of applying them without: version 1
 # has none of the options below; version 2 adds a chunked loss head, nested pieces, the optimizer inside the
-# backward pass and micro-batches; version 3 adds blocks run in slices of the batch; version 4 offloaded blocks.
+# backward pass and micro-batches; version 3 adds blocks run in slices of the batch; version 4 offloaded blocks;
+# version 5 the optimizer's state in host memory.
 _WITHOUT_LOSS_HEAD_VERSION = 1
 _WITHOUT_SLICES_VERSION = 2
 _WITHOUT_OFFLOAD_VERSION = 3
+_WITHOUT_OPTIMIZER_OFFLOAD_VERSION = 4
 _OFFLOAD_KEYS = ("window_bytes", "host_budget_bytes", "predicted_host_peak_bytes", "inputs")
 
 
@@ -220,6 +222,8 @@ class Plan:
             logits and cross-entropy in chunks of that many tokens (``executor/loss_head.py``).
         optimizer_in_backward: the plan was measured with the optimizer's update run per parameter inside the
             backward pass (``executor/optimizer_in_backward.py``); ``apply`` then needs the optimizer.
+        optimizer_offload: the plan was measured with the optimizer's state in host memory between steps
+            (``executor/optimizer_offload.py``); ``apply`` then needs the optimizer.
         micro_batches: backward passes per optimizer step (gradient accumulation) the plan was measured for;
             its peaks hold on every micro-batch (Note: [a later micro-batch peaks highest]).
         offload: empty, or, for a plan with offloaded blocks (``PlannedBlock.offload``), the executor's
@@ -240,6 +244,7 @@ class Plan:
     optimizer_in_backward: bool = False
     micro_batches: int = 1
     offload: dict[str, int] = field(default_factory=dict)
+    optimizer_offload: bool = False
 
     def __post_init__(self) -> None:
         offload = self.offload
@@ -248,8 +253,9 @@ class Plan:
             raise ValueError(f"Plan.offload must be {{}} or map {list(_OFFLOAD_KEYS)} to ints >= 0; got {offload!r}")
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise ValueError(f"Plan.micro_batches must be an int >= 1; got {self.micro_batches!r}")
-        if not isinstance(self.optimizer_in_backward, bool):
-            raise ValueError(f"Plan.optimizer_in_backward must be a bool; got {self.optimizer_in_backward!r}")
+        for name in ("optimizer_in_backward", "optimizer_offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Plan.{name} must be a bool; got {getattr(self, name)!r}")
         head = self.loss_head
         if not isinstance(head, dict) or (head and (set(head) != {"path", "chunk_tokens"}
                                                     or not isinstance(head["path"], str)
@@ -327,6 +333,9 @@ class Plan:
         if self.optimizer_in_backward:
             lines.append("optimizer: its update runs per parameter inside the backward pass (apply(model, plan, "
                          "optimizer=...))")
+        if self.optimizer_offload:
+            lines.append("optimizer: its state stays in host memory between steps, one parameter's on the device at a "
+                         "time (apply(model, plan, optimizer=...))")
         lines.extend(f"{name}: {text}" for name, text in sorted(self.notes.items()))
         return "\n".join(lines)
 
@@ -359,7 +368,8 @@ class Plan:
         newer = self.loss_head or nested or self.optimizer_in_backward or self.micro_batches > 1
         sliced = any(piece.slices > 1 for piece, _ in iter_blocks(self.schedule))
         offloaded = any(piece.offload for piece, _ in iter_blocks(self.schedule))
-        version = FORMAT_VERSION if offloaded else _WITHOUT_OFFLOAD_VERSION if sliced else \
+        version = FORMAT_VERSION if self.optimizer_offload else _WITHOUT_OPTIMIZER_OFFLOAD_VERSION if offloaded else \
+            _WITHOUT_OFFLOAD_VERSION if sliced else \
             _WITHOUT_SLICES_VERSION if newer else _WITHOUT_LOSS_HEAD_VERSION
         payload = {"format": "torchckpt.plan", "version": version, "budget_bytes": self.budget_bytes,
                    "predicted_peak_bytes": self.predicted_peak_bytes,
@@ -369,6 +379,7 @@ class Plan:
                    "reference": self.reference, "notes": self.notes,
                    **({"loss_head": self.loss_head} if self.loss_head else {}),
                    **({"optimizer_in_backward": True} if self.optimizer_in_backward else {}),
+                   **({"optimizer_offload": True} if self.optimizer_offload else {}),
                    **({"micro_batches": self.micro_batches} if self.micro_batches > 1 else {}),
                    **({"offload": self.offload} if self.offload else {})}
         return json.dumps(payload, indent=1)
@@ -382,8 +393,8 @@ class Plan:
             raise ValueError(f"not a torchckpt plan: invalid JSON ({error})") from None
         if not isinstance(payload, dict) or payload.get("format") != "torchckpt.plan":
             raise ValueError("not a torchckpt plan: the JSON has no \"format\": \"torchckpt.plan\" field")
-        if payload.get("version") not in (_WITHOUT_LOSS_HEAD_VERSION, _WITHOUT_SLICES_VERSION,
-                                          _WITHOUT_OFFLOAD_VERSION, FORMAT_VERSION):
+        if payload.get("version") not in (_WITHOUT_LOSS_HEAD_VERSION, _WITHOUT_SLICES_VERSION, _WITHOUT_OFFLOAD_VERSION,
+                                          _WITHOUT_OPTIMIZER_OFFLOAD_VERSION, FORMAT_VERSION):
             raise ValueError(f"plan format version {payload.get('version')!r} is not supported by this torchckpt "
                              f"(reads versions {_WITHOUT_LOSS_HEAD_VERSION} to {FORMAT_VERSION}); upgrade torchckpt "
                              "or re-create the plan")
@@ -395,6 +406,7 @@ class Plan:
                        reference=payload.get("reference", {}), notes=payload.get("notes", {}),
                        loss_head=payload.get("loss_head", {}),
                        optimizer_in_backward=payload.get("optimizer_in_backward", False),
+                       optimizer_offload=payload.get("optimizer_offload", False),
                        micro_batches=payload.get("micro_batches", 1), offload=payload.get("offload", {}))
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"not a complete torchckpt plan: missing or malformed field {error}; re-create the "

@@ -68,7 +68,6 @@ How each figure of ``costs.py`` is obtained (the names of that module's rules in
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -82,7 +81,6 @@ from torchckpt._progress import block_ticks, phase, phases_to
 from torchckpt.executor import CheckpointHandle, checkpoint_modules
 from torchckpt.executor.compiled import eager_measurement, is_compiled_module, uncompiled
 from torchckpt.executor.kv_cache import kv_cache_off
-from torchckpt.executor.optimizer_in_backward import optimizer_in_backward as optimizer_in_backward_of
 from torchckpt.memory import MemoryMeter
 from torchckpt.planner import solve as solver
 from torchckpt.planner.apply import wrap_region
@@ -101,6 +99,7 @@ from torchckpt.planner.from_costs import ChainCosts, no_checkpointing_schedule
 from torchckpt.planner.head import check_loss_head_arg
 from torchckpt.planner.layerdrop import layerdrop_off
 from torchckpt.planner.offload_step import check_offload_args, measure_offload
+from torchckpt.planner.optimizer_options import check_optimizer_options, optimizer_options, optimizer_step_peak
 from torchckpt.planner.options_step import measure_options
 from torchckpt.planner.other_blocks import other_blocks_note
 from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
@@ -134,6 +133,7 @@ def profile(
     loss_head: bool | str = True,
     pieces: bool = True,
     optimizer_in_backward: bool = False,
+    optimizer_offload: bool = False,
     micro_batches: int = 1,
     batch_slices: int = 1,
     offload: bool = False,
@@ -166,9 +166,11 @@ def profile(
     it (costs.py's [pieces nested inside a block]), a menu option of each block that has pieces.
     ``optimizer_in_backward=True`` (needs ``optimizer``) measures every step with the optimizer's update run per
     parameter inside the backward pass (``executor/optimizer_in_backward.py``), so gradients do not all live at
-    once; plans from these costs say so and ``apply`` installs it. ``micro_batches`` > 1 (gradient accumulation:
-    that many backward passes per optimizer step) measures every step as the second micro-batch runs it, the
-    first's gradients alive from its start (Note: [a later micro-batch peaks highest]). ``batch_slices`` k > 1
+    once; plans from these costs say so and ``apply`` installs it. ``optimizer_offload=True`` (needs ``optimizer``)
+    keeps its state in host memory between steps (executor/optimizer_offload.py) while measuring, and so do plans
+    from these costs when applied; the optimizer step's own peak is measured. ``micro_batches`` > 1 (gradient
+    accumulation: that many backward passes per optimizer step) measures every step as the second micro-batch runs
+    it, the first's gradients alive from its start (Note: [a later micro-batch peaks highest]). ``batch_slices`` k > 1
     (opt-in): see ``torchckpt.plan`` and costs.py's [pieces nested inside a block]. ``offload=True`` (opt-in)
     adds five steps and a bandwidth calibration (planner/offload_step.py) for costs.py's [offloaded blocks].
 
@@ -184,25 +186,13 @@ def profile(
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     check_loss_head_arg(model, loss_head)
     options = {"loss_head": loss_head, "pieces": pieces, "batch_slices": check_batch_slices(batch_slices)}
-    if batch_slices > 1 and optimizer_in_backward:  # measured: AdamW's first update magnified rounding to 1e-5
-        raise ValueError("batch_slices > 1 with optimizer_in_backward=True: sliced blocks' weight gradients equal the "
-                         "unsliced ones only to rounding, which the update inside the backward pass can magnify past "
-                         "what verify_plan can check; plan with one of the two")
-    if not isinstance(optimizer_in_backward, bool):
-        raise TypeError(f"optimizer_in_backward must be True or False; got {optimizer_in_backward!r}")
-    if optimizer_in_backward and optimizer is None:
-        raise ValueError("optimizer_in_backward=True runs the optimizer's update inside the backward pass: pass "
-                         "optimizer=... (the one your loop steps)")
+    check_optimizer_options(optimizer, optimizer_in_backward=optimizer_in_backward,
+                            optimizer_offload=optimizer_offload, micro_batches=micro_batches, batch_slices=batch_slices)
     group = process_group_of(model)  # planner/distributed.py's [a distributed model is planned by all its ranks]
     block_list = resolve_blocks(model, blocks)
     regions_off = sharded_blocks_note(block_list) if regions else "off (profiled with regions=False)"
     runner = StepRunner(model, example_inputs, loss_fn, optimizer, step_fn=step_fn, micro_batches=micro_batches)
-    if optimizer_in_backward and micro_batches > 1:
-        raise ValueError(f"optimizer_in_backward=True updates each parameter as soon as its gradient is ready, so "
-                         f"gradients cannot accumulate over micro_batches={micro_batches}; plan without "
-                         "optimizer_in_backward, or with one micro-batch per optimizer step")
-    in_backward = (optimizer_in_backward_of(optimizer) if optimizer_in_backward and optimizer is not None
-                   else contextlib.nullcontext())
+    in_backward = optimizer_options(optimizer, in_backward=optimizer_in_backward, offload=optimizer_offload)
     with preserved_state(model, optimizer), kv_cache_off([model], while_="profiling"), paused_gc(), \
             eager_measurement(), in_backward, layerdrop_off(model) as skipping:
         runner.clear_grads()  # the user's gradients come back afterwards; they are not part of the step
@@ -240,8 +230,7 @@ def profile(
         costs = replace(costs, notes={**costs.notes, "regions": skipping})
     costs = plain_only(costs, {i: unrepeatable[id(block)] for i, block in enumerate(block_list)
                                if id(block) in unrepeatable})
-    if optimizer_in_backward:
-        costs = replace(costs, optimizer_in_backward=True)
+    costs = replace(costs, optimizer_in_backward=optimizer_in_backward, optimizer_offload=optimizer_offload)
     if micro_batches > 1:
         costs = replace(costs, micro_batches=micro_batches)
     if group is None:
@@ -284,7 +273,7 @@ def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Ca
     say(f"profiling step 1: {len(block_list)} blocks, every block recomputed")
     with checkpoint_modules(block_list, policy="nothing_saveable"):
         recomputed = step(record_ops=False)
-    runner.optimizer_step()
+    step_peak = optimizer_step_peak(runner)  # optimizer_options.py's rule
     say("profiling step 2: no checkpointing, recording every op")
     plain = step(record_ops=True)
     runner.clear_grads()
@@ -297,6 +286,8 @@ def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Ca
                       [type(b).__name__ for b in block_list])
     paths = tuple(block_paths(runner.model, block_list))
     costs = replace(costs, block_paths=paths, fingerprint=fingerprint(runner.model, runner.example_inputs, list(paths)))
+    if step_peak is not None:  # optimizer_options.py's [the optimizer step's peak is measured with its state offloaded]
+        costs = replace(costs, tail_bytes=max(costs.tail_bytes, step_peak - costs.fixed_bytes))
     if group is not None and not agree_flag(costs.chain, group) and costs.chain:  # the region step runs on all or none
         costs = replace(costs, chain=False, notes={**costs.notes, "chain": "no: another rank's profile found the "
                                                    "blocks are not a plain chain"})

@@ -92,8 +92,9 @@ class VerifyReport:
 
 def _measured_step(runner: StepRunner, seed: int, optimizer: torch.optim.Optimizer | None = None,
                    ) -> tuple[int, float, list[tuple[np.ndarray | None, torch.dtype]], int]:
-    """One measured step; its gradients, or, with ``optimizer`` (a plan with the optimizer in the backward pass),
-    the parameters after ``optimizer.step()`` (outside the meter; a no-op where the update already ran)."""
+    """One measured step; its gradients, or, with ``optimizer`` (a plan with the optimizer in the backward pass or
+    its state in host memory), the parameters after ``optimizer.step()`` (inside the meter: with the state offloaded
+    the step brings it to the device; a no-op where the update already ran)."""
     runner.clear_grads()
     # The caller's RNG streams (CPU and CUDA) are kept as NumPy bytes, which the meter does not count,
     # and come back however the step ends; every measured step draws from the same seed.
@@ -104,10 +105,11 @@ def _measured_step(runner: StepRunner, seed: int, optimizer: torch.optim.Optimiz
         start = time.perf_counter()
         with MemoryMeter(device) as meter:  # on CUDA it synchronizes at exit, so the time is the step's
             runner.forward_backward()
+            if optimizer is not None:
+                optimizer.step()
         elapsed = time.perf_counter() - start
     grads: list[tuple[np.ndarray | None, torch.dtype]]
     if optimizer is not None:
-        optimizer.step()
         grads = [(host_bytes(p.detach()), p.dtype) for p in runner.model.parameters()]
     else:
         grads = [(None if p.grad is None else host_bytes(p.grad), p.dtype) for p in runner.model.parameters()]
@@ -204,7 +206,8 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
     ``step_fn`` together are refused (ValueError). With a chunked loss head (``plan.loss_head``) the head's
     weight (and what shares its storage) is compared to rounding (``ROUNDING_EPS_FACTOR``), every other
     gradient bitwise; the report names them. A plan made with the optimizer in the backward pass
-    (``plan.optimizer_in_backward``) needs ``optimizer``: the two steps are then compared by the parameters
+    (``plan.optimizer_in_backward``) or its state in host memory (``plan.optimizer_offload``, the optimizer's step
+    then inside the measured peak) needs ``optimizer``: the two steps are then compared by the parameters
     after the update (``optimizer.step()`` after the plain one; inside the backward pass with the plan), from the
     same parameters and optimizer state, which come back as they were afterwards. Any other ``optimizer`` (the one
     the plan was made with, ``plan(..., optimizer=...)``) takes one step in the unmeasured warm-up, so that its state
@@ -223,10 +226,12 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     runner = StepRunner(model, example_inputs, loss_fn, step_fn=step_fn, micro_batches=plan.micro_batches)
     plan.check_fits(model, example_inputs)
-    if plan.optimizer_in_backward and optimizer is None:
-        raise ValueError("this plan runs the optimizer's update inside the backward pass: pass "
-                         "verify_plan(..., optimizer=...) (the optimizer the plan was made with)")
-    updates = optimizer if plan.optimizer_in_backward else None
+    if (plan.optimizer_in_backward or plan.optimizer_offload) and optimizer is None:
+        where = "runs the optimizer's update inside the backward pass" if plan.optimizer_in_backward else \
+            "keeps the optimizer's state in host memory (its step is measured)"
+        raise ValueError(f"this plan {where}: pass verify_plan(..., optimizer=...) (the optimizer the plan was made "
+                         "with)")
+    updates = optimizer if plan.optimizer_in_backward or plan.optimizer_offload else None
     # Both steps run with HF KV caches off, as profiling measured them (Note: [KV cache off while checkpointing]);
     # preserved_state: the warm-up and both steps update BatchNorm statistics: undo them.
     with preserved_state(model, optimizer), kv_cache_off([model], while_="verify_plan"), paused_gc(), \
