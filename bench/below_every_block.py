@@ -13,9 +13,11 @@ once without an optimizer (plain SGD: no state):
   recompute cost won back, (t_every_block - t_plan) / (t_every_block - t_no_checkpointing);
 - with ``batch_slices=4`` (blocks exact in slices of the batch recomputed slice by slice), profiled again: the
   floor, and the plan there measured;
-- with AdamW, profiled three more times (without and with the optimizer inside the backward pass, and with
-  batch slices): the floors, and what the first and the last are made of (the parts of the infeasible-budget
-  error, which sum to it).
+- with AdamW, profiled four more times (without and with the optimizer inside the backward pass, with batch
+  slices, and with its state in host memory between steps, ``optimizer_offload=True``): the floors, and what the
+  first, the sliced and the offloaded are made of (the parts of the infeasible-budget error, which sum to it); the
+  plan at the offloaded floor measured over a whole training step, the optimizer's included (``verify_plan`` with
+  the optimizer: the parameters after the update compared bitwise).
 
     MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/python bench/below_every_block.py [--models NAMES] [--repeats 3] [--name N]
 
@@ -44,7 +46,8 @@ from torchckpt.planner.from_costs import floor_over_options
 from torchckpt.planner.runner import StepRunner
 
 BATCH_SLICES = 4  # plan(..., batch_slices=4): blocks exact in 4 slices of the batch may be recomputed so
-MODELS = ("hf-llama-32k-4x512", "hf-gpt2-50k-4x512", "gpt-small-8x512", "hf-llama-8x256", "unet-small-b8")
+MODELS = ("hf-llama-32k-4x512", "hf-gpt2-50k-4x512", "gpt-small-8x512", "hf-llama-8x256", "unet-small-b8",
+          "hf-resnet-b32")
 
 
 def _floor(costs: Any) -> int:
@@ -110,17 +113,21 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
     adamw = torchckpt.profile(model, inputs, optimizer=optimizer)
     inside = torchckpt.profile(model, inputs, optimizer=optimizer, optimizer_in_backward=True)
     adamw_sliced = torchckpt.profile(model, inputs, optimizer=optimizer, batch_slices=BATCH_SLICES)
+    offloaded = torchckpt.profile(model, inputs, optimizer=optimizer, optimizer_offload=True)
     record["adamw"] = {"every_block_peak_bytes": adamw.every_block_peak_bytes, "floor_bytes": _floor(adamw),
                        "floor_in_backward_bytes": _floor(inside), "floor_parts": _floor_parts(adamw),
                        "state_bytes": dict(adamw.state_bytes), "floor_sliced_bytes": _floor(adamw_sliced),
-                       "floor_sliced_parts": _floor_parts(adamw_sliced)}
+                       "floor_sliced_parts": _floor_parts(adamw_sliced), "floor_offload_bytes": _floor(offloaded),
+                       "floor_offload_parts": _floor_parts(offloaded),
+                       "at_offload_floor": _at_floor(model, inputs, offloaded, _floor(offloaded), optimizer)}
     return record
 
 
-def _at_floor(model: Any, inputs: Any, costs: Any, floor: int) -> dict[str, Any]:
-    """The plan at ``floor`` from ``costs``, measured once (``verify_plan``)."""
+def _at_floor(model: Any, inputs: Any, costs: Any, floor: int, optimizer: Any = None) -> dict[str, Any]:
+    """The plan at ``floor`` from ``costs``, measured once (``verify_plan``; with ``optimizer``, a plan made with its
+    state in host memory, the optimizer's step inside the measured peak)."""
     plan = costs.plan(floor)
-    report = torchckpt.verify_plan(model, plan, inputs)
+    report = torchckpt.verify_plan(model, plan, inputs, optimizer=optimizer)
     rows = plan.decisions()
     return {"budget_bytes": plan.budget_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
             "measured_peak_bytes": report.measured_peak_bytes, "within_budget": report.within_budget,
@@ -152,7 +159,7 @@ def markdown(results: dict[str, Any]) -> str:
              "## Floors, as a share of every block's measured peak", "",
              f"| model | every block | before | pieces nested | loss head in chunks | both | + batch slices "
              f"({BATCH_SLICES}) | AdamW: every block | AdamW floor | AdamW, optimizer in backward | AdamW + batch "
-             f"slices ({BATCH_SLICES}) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"slices ({BATCH_SLICES}) | AdamW, state in host memory |", "|---" * 12 + "|"]
     for r in results["models"]:
         share = r["floor_share"]
         a = r["adamw"]
@@ -162,7 +169,8 @@ def markdown(results: dict[str, Any]) -> str:
                                    f"batch slices ({BATCH_SLICES})"))
                      + f" | {format_bytes(a['every_block_peak_bytes'])} | "
                      + " | ".join(f"{format_bytes(a[k])} ({a[k] / a['every_block_peak_bytes']:.2f}x)" for k in
-                                  ("floor_bytes", "floor_in_backward_bytes", "floor_sliced_bytes")) + " |")
+                                  ("floor_bytes", "floor_in_backward_bytes", "floor_sliced_bytes",
+                                   "floor_offload_bytes")) + " |")
     lines += ["", f"Batch slices: {'; '.join(r['model'] + ': ' + r['batch_slices_note'] for r in results['models'])}."]
     lines += ["", "## What the AdamW floor is made of", "",
               "The floor's parts sum to it exactly (solve/floor_parts.py); \"the block itself\" is the binding "
@@ -173,7 +181,8 @@ def markdown(results: dict[str, Any]) -> str:
               "checkpointed inputs | other held | the block itself | margin | binding | activations | 0.6x needs |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r, label, key in [(r, label, key) for r in results["models"] for label, key in (
-            ("", "floor_parts"), (f" + batch slices ({BATCH_SLICES})", "floor_sliced_parts"))]:
+            ("", "floor_parts"), (f" + batch slices ({BATCH_SLICES})", "floor_sliced_parts"),
+            (", state in host memory", "floor_offload_parts"))]:
         a = r["adamw"]
         p = a[key]
         activations = p["checkpoint_bytes"] + p["other_held_bytes"] + p["own_bytes"]
@@ -189,7 +198,9 @@ def markdown(results: dict[str, Any]) -> str:
               "| model | budget | predicted | measured | within | error | head | nested blocks | sliced blocks | "
               "gradients |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r, label, f in [(r, label, r[key]) for r in results["models"] for label, key in (
-            ("", "at_floor"), (f" + batch slices ({BATCH_SLICES})", "at_sliced_floor"))]:
+            ("", "at_floor"), (f" + batch slices ({BATCH_SLICES})", "at_sliced_floor"))] + [
+            (r, ", AdamW, state in host memory (the step's update inside)", r["adamw"]["at_offload_floor"])
+            for r in results["models"]]:
         grads = "bitwise" if f["gradients_equal"] else "DIFFER"
         if f["rounding_only"]:
             names = f["rounding_only"]

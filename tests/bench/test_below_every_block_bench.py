@@ -1,5 +1,6 @@
 """bench/below_every_block.py on a tiny decoder, into tmp_path: floors per option, a verified plan at the floor,
-interleaved timings at every block's peak, and AdamW floors with and without the optimizer in backward."""
+interleaved timings at every block's peak, and AdamW floors with and without the optimizer in backward or its state
+in host memory."""
 
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ def test_writes_floors_a_verified_plan_and_timings(tmp_path: Path, capsys: pytes
         "parameters_bytes", "optimizer_state_bytes", "outside_bytes", "checkpoint_bytes", "other_held_bytes",
         "own_bytes", "margin_bytes"))
     assert parts["optimizer_state_bytes"] == adamw["state_bytes"]["optimizer_state"] > 0
+    offloaded = adamw["floor_offload_parts"]  # the state in host memory: only AdamW's scalar step counters stay
+    assert offloaded["optimizer_state_bytes"] < parts["optimizer_state_bytes"] // 100
+    assert adamw["floor_offload_bytes"] == offloaded["floor_bytes"] < adamw["floor_bytes"]
+    at_floor = adamw["at_offload_floor"]  # a whole step, the update inside: within budget, parameters bitwise
+    assert at_floor["within_budget"] and at_floor["gradients_equal"] and abs(at_floor["prediction_error"]) <= 0.01
     text = (tmp_path / "below_every_block.md").read_text()
     assert text.startswith("# Below every block") and "## What the AdamW floor is made of" in text
     assert "hf-llama-tiny" in capsys.readouterr().out

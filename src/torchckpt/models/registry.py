@@ -237,6 +237,24 @@ def _vit(width: int, layers: int) -> Callable[[BatchShape], tuple[nn.Module, Inp
     return make
 
 
+def _resnet(hidden: list[int], depths: list[int]) -> Callable[[BatchShape], tuple[nn.Module, Inputs]]:
+    def make(shape: BatchShape) -> tuple[nn.Module, Inputs]:
+        transformers = require("transformers", "the hf-* models")
+
+        config = transformers.ResNetConfig(num_channels=3, embedding_size=hidden[0], hidden_sizes=hidden,
+                                           depths=depths, layer_type="bottleneck")
+        config.num_labels = 10
+        generator = torch.Generator().manual_seed(0)
+        pixels = torch.randn(shape.batch_size, 3, shape.image_size, shape.image_size, generator=generator)
+        labels = torch.randint(0, 10, (shape.batch_size,), generator=generator)
+        return transformers.ResNetForImageClassification(config), {"pixel_values": pixels, "labels": labels}
+    return make
+
+
+def _resnet_blocks(model: nn.Module) -> list[nn.Module]:
+    return [layer for stage in model.resnet.encoder.stages for layer in stage.layers]  # type: ignore[union-attr]
+
+
 def _vit_blocks(model: nn.Module) -> list[nn.Module]:
     return list(model.vit.layers)  # type: ignore[union-attr, arg-type]
 
@@ -255,7 +273,8 @@ def _t5_blocks(model: nn.Module) -> list[nn.Module]:
 
 def _entry(name: str, kind: str, layout: str, make: Callable[[BatchShape], tuple[nn.Module, Inputs]],
            shape: BatchShape, blocks: Callable[[nn.Module], list[nn.Module]], family: str) -> ModelEntry:
-    batch = (f"{shape.batch_size} x {shape.image_size} x {shape.image_size}" if family in ("unet", "hf-vit") else
+    batch = (f"{shape.batch_size} x {shape.image_size} x {shape.image_size}" if family in ("unet", "hf-vit",
+                                                                                           "hf-resnet") else
              f"{shape.batch_size} x {shape.seq_len}" + (f" -> {shape.seq_len // 2}" if family == "hf-t5" else ""))
     return ModelEntry(name=name, description=f"{kind} {layout}, batch {batch}", make=make, shape=shape,
                       blocks=blocks, family=family)
@@ -292,6 +311,10 @@ for _model in (
     _entry("hf-vit-224", "HF ViT", "12 x 192", _vit(192, 12), _images(32, 224), _vit_blocks, "hf-vit"),
     _entry("unet-small-b8", "unet('small')", "3 levels x 2 blocks, 32 ch", _built_in(lambda: unet("small")),
            _images(8, 64), _own_blocks, "unet"),
+    # A second CNN for the floor benchmark (bench/README.md, "Below every block"): bottleneck residual blocks in four
+    # stages after a strided stem, BatchNorm in training.
+    _entry("hf-resnet-b32", "HF ResNet (bottleneck)", "4 stages x 2 blocks, 64-512 ch", _resnet([64, 128, 256, 512],
+           [2, 2, 2, 2]), _images(32, 128), _resnet_blocks, "hf-resnet"),
     # Decoders with real vocabularies (Llama 2's 32,000; GPT-2's 50,257), where the loss head dominates once the
     # blocks are checkpointed: the loss head's benchmark (bench/README.md, "Below every block").
     _entry("hf-llama-32k-4x512", "HF Llama, vocab 32,000", "8 x 256", _llama(256, 8, 32000), _tokens(4, 512),

@@ -287,7 +287,8 @@ def _measure_costs(runner: StepRunner, block_list: list[nn.Module], progress: Ca
     paths = tuple(block_paths(runner.model, block_list))
     costs = replace(costs, block_paths=paths, fingerprint=fingerprint(runner.model, runner.example_inputs, list(paths)))
     if step_peak is not None:  # optimizer_options.py's [the optimizer step's peak is measured with its state offloaded]
-        costs = replace(costs, tail_bytes=max(costs.tail_bytes, step_peak - costs.fixed_bytes))
+        costs = replace(costs, tail_bytes=max(costs.tail_bytes, step_peak - costs.fixed_bytes),
+                        every_block_peak_bytes=max(costs.every_block_peak_bytes, step_peak))
     if group is not None and not agree_flag(costs.chain, group) and costs.chain:  # the region step runs on all or none
         costs = replace(costs, chain=False, notes={**costs.notes, "chain": "no: another rank's profile found the "
                                                    "blocks are not a plain chain"})
