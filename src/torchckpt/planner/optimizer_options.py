@@ -2,12 +2,14 @@
 
 Rule: **[the optimizer step's peak is measured with its state offloaded]** With ``optimizer_offload=True`` the
 optimizer's step brings each parameter's state to the device in turn (executor/optimizer_offload.py), beside every
-gradient. The profiler measures that step under the meter (the one after its first measured step) and raises the
-costs' backward-end peak (costs.py's [backward-end peak], ``tail_bytes``) to it (with a scalar alive beside it, as a
-loop keeps its loss through the step to log it), so every plan's predicted peak
-and the floor include it; the measured peak of checkpointing every block (costs.py's [measured schedules are
-predicted as measured]), taken over the forward and backward passes alone, is raised to it too. Without the option the step is not measured (with the state on the device it adds only
-the update's temporaries, which on the CPU's one-tensor-at-a-time optimizers stay below the backward pass's peak).
+gradient. The profiler measures that step under the meter (the one after its first measured step), with a scalar
+alive beside it as a loop keeps its loss through the step to log it, and raises the costs' backward-end peak
+(costs.py's [backward-end peak], ``tail_bytes``) to it, so every plan's predicted peak and the floor include it;
+the measured peak of checkpointing every block (costs.py's [measured schedules are predicted as measured]), taken
+over the forward and backward passes alone, is raised to it too. Without the option the step is not measured (with
+the state on the device it adds only the update's temporaries, which on the CPU's one-tensor-at-a-time optimizers
+stay below the backward pass's peak; on CUDA, where AdamW's default multi-tensor update allocates temporaries for
+all parameters at once, that is not shown and is open work).
 """
 
 from __future__ import annotations
