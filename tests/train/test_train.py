@@ -216,3 +216,34 @@ def test_user_model_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert code == 0, out
     assert f"{model_file}:make (GPT)" in out
     assert sorted(read_losses(tmp_path / "run")) == [1, 2]
+
+
+def test_optimizer_offload_fits_a_budget_adamw_alone_cannot_and_losses_stay_bitwise(tmp_path: Path) -> None:
+    """`--optimizer-offload`: AdamW's state in host memory lowers the floor, so a budget below the floor with it on
+    the device trains within it; the losses are bitwise those of a run without it; a later command with another
+    planning option (--offload) re-plans, saying why, and continues bitwise within the budget."""
+    import torch
+
+    from torchckpt.planner import InfeasibleBudgetError
+
+    threads = torch.get_num_threads()
+    shape = {"size": "tiny", "batch_size": 4, "seq_len": 64, "save_every": 3, "threads": 1}
+    budget = 2_621_440  # 2.5 MiB: the floor is 3.17 MiB with AdamW's state on the device, 2.16 MiB without
+    lines: list[str] = []
+    try:
+        with pytest.raises(InfeasibleBudgetError, match="optimizer state"):
+            train(TrainConfig(**shape, steps=3, budget=budget, dir=str(tmp_path / "on-device")), say=lines.append,
+                  live=False)
+        offloaded = train(TrainConfig(**shape, steps=3, budget=budget, optimizer_offload=True,
+                                      dir=str(tmp_path / "run")), say=lines.append, live=False)
+        assert offloaded["peak_bytes"] <= offloaded["budget_bytes"] == budget, offloaded
+        lines.clear()
+        resumed = train(TrainConfig(**shape, steps=5, budget=budget, optimizer_offload=True, offload=True,
+                                    dir=str(tmp_path / "run")), say=lines.append, live=False)
+        reference = train(TrainConfig(**shape, steps=5, budget="100%", dir=str(tmp_path / "reference")),
+                          say=lambda line: None, live=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert any("the plan stored in step 3: it was made without --offload" in line for line in lines), lines
+    assert resumed["step"] == reference["step"] == 5 and resumed["peak_bytes"] <= budget
+    assert read_losses(tmp_path / "run") == read_losses(tmp_path / "reference")  # float.hex: bitwise

@@ -20,8 +20,8 @@ the device holds, beyond parameters and gradients, at most one parameter's state
    backward pass (executor/optimizer_in_backward.py) each of its per-parameter updates does the same.
 3. **[the update stays the optimizer's own]** On the CPU, where optimizers take one tensor at a time by default, the
    parameters and state after the step are bitwise those of the plain ``optimizer.step()``
-   (tests/executor/test_optimizer_offload.py). A closure (``step(closure)``), LBFGS, fused optimizers and sparse
-   parameters are refused with the reason.
+   (tests/executor/test_optimizer_offload.py). A closure (``step(closure)``), LBFGS, fused optimizers, sparse
+   parameters and FSDP2's sharded (DTensor) parameters are refused with the reason.
 """
 
 from __future__ import annotations
@@ -76,6 +76,11 @@ class OptimizerOffload:
         if state_offload_of(optimizer) is not None:
             raise ValueError("OptimizerOffload: this optimizer's state is already in host memory; remove() the "
                              "earlier offload first")
+        if any(type(p).__name__ == "DTensor" for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError("OptimizerOffload: the parameters are DTensors (sharded by FSDP2), whose state it does "
+                             "not move yet; use FSDP2's own offload, "
+                             "fully_shard(..., offload_policy=CPUOffloadPolicy()), "
+                             "which keeps parameters, gradients and optimizer state in host memory")
         self.optimizer = optimizer
         devices = {p.device.type for group in optimizer.param_groups for p in group["params"]}
         self.pin = ("cuda" in devices and torch.cuda.is_available()) if pin is None else pin

@@ -25,12 +25,15 @@ __all__ = ["plan_without_side_effects", "preserved_state"]
 
 def plan_without_side_effects(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
                               optimizer: str | None = "adamw",
-                              loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Plan:
+                              loss_fn: Callable[[Any], torch.Tensor] | None = None, offload: bool = False,
+                              optimizer_offload: bool = False) -> Plan:
     """``torchckpt.plan`` in training mode, with AdamW state counted, leaving ``model`` and RNG as they were.
 
     ``optimizer="adamw"`` reserves what AdamW will hold (two moments per trainable parameter) by
     planning with a throwaway AdamW; ``None`` plans without optimizer state. Call it before building
-    the real optimizer, or that optimizer's state is counted as well.
+    the real optimizer, or that optimizer's state is counted as well. ``offload`` and ``optimizer_offload`` are
+    ``torchckpt.plan``'s (the second plans with the throwaway AdamW's state in host memory; apply the plan with the
+    real AdamW, ``apply(model, plan, optimizer=...)``).
 
     Example:
         >>> from torchckpt.models import gpt
@@ -41,6 +44,9 @@ def plan_without_side_effects(model: nn.Module, example_inputs: tuple | dict, bu
     """
     if optimizer not in ("adamw", None):
         raise ValueError(f"optimizer={optimizer!r}: use 'adamw' (reserve AdamW's state) or None (no optimizer state)")
+    if optimizer_offload and optimizer is None:
+        raise ValueError("optimizer_offload=True keeps an optimizer's state in host memory: plan with "
+                         "optimizer='adamw'")
     # Unreachable tensors in reference cycles (a model or trainer dropped earlier) are live storages until the
     # collector runs: left there, they would count as fixed bytes while profiling, or vanish in the middle of it.
     gc.collect()
@@ -51,7 +57,8 @@ def plan_without_side_effects(model: nn.Module, example_inputs: tuple | dict, bu
             raise ValueError("the model has no parameter with requires_grad=True: there is nothing to train or plan")
         throwaway = torch.optim.AdamW(trainable, lr=0.0) if optimizer == "adamw" else None
         try:
-            return plan(model, example_inputs, budget, optimizer=throwaway, loss_fn=loss_fn)
+            return plan(model, example_inputs, budget, optimizer=throwaway, loss_fn=loss_fn, offload=offload,
+                        optimizer_offload=optimizer_offload)
         finally:
             for param in model.parameters():
                 param.grad = None

@@ -10,8 +10,9 @@ config (:meth:`TrainConfig.argv`). A field that is not an option says so (``cli=
 Options that define *what* is trained (model, batch shape, seed, learning rate) are the run's identity:
 they are written to ``run.json`` in the run directory, and a later command on the same directory must
 give the same ones (it resumes that run). ``steps``, ``save_every`` and ``budget`` may change between
-commands: more steps continue the run, a new budget makes a new plan (the losses do not depend on the
-plan: gradients with any plan are bitwise those without checkpointing).
+commands: more steps continue the run, a new budget (or ``offload``, ``optimizer_offload``) makes a new plan (the
+losses do not depend on the plan: gradients with any plan are bitwise those without checkpointing, and the update
+with the state in host memory is bitwise the plain one).
 """
 
 from __future__ import annotations
@@ -196,6 +197,13 @@ class TrainConfig:
              "what is missing (default 300)", count=True)
     save: bool = train_option(True, "save no checkpoints: the plan and the loss log are still written to --dir, but "
                                     "the run cannot be resumed (the same command starts again at step 1)")
+    offload: bool = train_option(
+        False, "plan with offload as a third choice per block: its saved activations moved to host memory in the "
+               "forward pass and brought back for the backward, where that is faster than recomputing (on CUDA; on "
+               "the CPU the host is the same memory, counted apart); one process only")
+    optimizer_offload: bool = train_option(
+        False, "keep AdamW's state (twice the parameters) in host memory between steps, one parameter's on the "
+               "device at a time for its update: the budget needs no room for it, and losses stay bitwise")
 
     def __post_init__(self) -> None:
         if self.budget == "auto":  # the size's default (frozen: set once, here)
@@ -237,6 +245,15 @@ class TrainConfig:
             '--no-save'
         """
         return [arg for o in train_options(cli_only=False) for arg in o.argv(getattr(self, o.name))]
+
+    def plan_options(self) -> dict[str, bool]:
+        """The planning options besides ``budget`` (what ``torchckpt.plan`` takes them as).
+
+        Example:
+            >>> TrainConfig(optimizer_offload=True).plan_options()
+            {'offload': False, 'optimizer_offload': True}
+        """
+        return {"offload": self.offload, "optimizer_offload": self.optimizer_offload}
 
     @property
     def run_dir(self) -> Path:

@@ -21,14 +21,35 @@ from torchckpt.train.config import TrainConfig
 from torchckpt.train.distributed import Ranks
 from torchckpt.train.plan_record import Layout, StoredPlan, read_stored_plan
 
-__all__ = ["load_or_make_plan", "plan_job"]
+__all__ = ["load_or_make_plan", "options_changed", "plan_job"]
 
 Measure = Callable[[nn.Module, tuple, "list[nn.Module] | None"], dict[str, float]]
 
 
+def options_changed(plan: Plan, options: dict[str, bool]) -> str:
+    """Why ``plan`` was not made with the planning ``options`` (``TrainConfig.plan_options``); empty when it was.
+
+    Example:
+        >>> plan = Plan(budget_bytes=1, predicted_peak_bytes=1, predicted_extra_time_s=0.0, schedule=(),
+        ...             block_paths=(), fingerprint={})
+        >>> options_changed(plan, {"offload": False, "optimizer_offload": True})
+        'it was made without --optimizer-offload'
+    """
+    made = {"offload": "offload" in plan.notes, "optimizer_offload": plan.optimizer_offload}
+    changed = [f"{'with' if made[name] else 'without'} --{name.replace('_', '-')}" for name in made
+               if made[name] != bool(options.get(name, False))]
+    return f"it was made {' and '.join(changed)}" if changed else ""
+
+
+def _new_plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, options: dict[str, bool]) -> Plan:
+    return plan_without_side_effects(model, example_inputs, budget, offload=bool(options.get("offload")),
+                                     optimizer_offload=bool(options.get("optimizer_offload")))
+
+
 def load_or_make_plan(path: Path, model: nn.Module, example_inputs: tuple | dict, budget: int | str,
-                      budget_recorded: object) -> tuple[Plan, str]:
-    """Reuse the plan at ``path`` when it fits the model, inputs and budget; else make and save a new one.
+                      budget_recorded: object, options: dict[str, bool] | None = None) -> tuple[Plan, str]:
+    """Reuse the plan at ``path`` when it fits the model, inputs, budget and planning ``options``
+    (``TrainConfig.plan_options``); else make and save a new one.
 
     Returns the plan and a line saying which happened (and why a saved plan was not reused).
 
@@ -53,10 +74,14 @@ def load_or_make_plan(path: Path, model: nn.Module, example_inputs: tuple | dict
             except (PlanMismatchError, ValueError) as error:
                 reason = f"the saved plan does not fit ({error})"
             else:
-                if plan.notes.get("engine") in (None, "None"):
+                changed = options_changed(plan, options or {})
+                if changed:
+                    reason = f"the planning options changed ({changed})"
+                elif plan.notes.get("engine") in (None, "None"):
                     return plan, f"reused the plan saved in {path}"
-                reason = f"the saved plan was made for {plan.notes['engine']}, not one process"
-    plan = plan_without_side_effects(model, example_inputs, budget)
+                else:
+                    reason = f"the saved plan was made for {plan.notes['engine']}, not one process"
+    plan = _new_plan(model, example_inputs, budget, options or {})
     plan.save(path)
     return plan, f"planned ({reason}); saved to {path}"
 
@@ -88,13 +113,17 @@ def plan_job(config: TrainConfig, record: dict[str, Any], model: nn.Module, exam
         True
         >>> tmp.cleanup()
     """
+    if ranks is not None and (config.offload or config.optimizer_offload):  # the same on every rank: all refuse
+        flag = "--offload" if config.offload else "--optimizer-offload"
+        raise ValueError(f"{flag} is planned on one process only: with --nproc the model is sharded by FSDP2, which "
+                         "offload does not run beside yet; train without it, or on one process")
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     layout = Layout(world=ranks.world if ranks else 1, sharding="FSDP2" if ranks else "none",
                     batch=(config.batch_size, config.seq_len))
     step, stored, why = read_stored_plan(checkpointer)
     if stored is not None:
-        why = stored.differs(layout, config.budget)
+        why = stored.differs(layout, config.budget) or options_changed(stored.plan, config.plan_options())
         why = f"the plan stored in step {step}: {why}" if why else ""
         if not why:
             try:
@@ -112,9 +141,10 @@ def plan_job(config: TrainConfig, record: dict[str, Any], model: nn.Module, exam
     say(f"planning activation checkpointing for a budget of {config.budget}{per} (whole step: parameters, "
         "gradients, AdamW state, activations) ...")
     if step is None and ranks is None:  # no checkpoint yet: the run directory's plan, as a restart before a save
-        plan, how = load_or_make_plan(run_dir / "plan.json", model, example, config.budget, record.get("plan_budget"))
+        plan, how = load_or_make_plan(run_dir / "plan.json", model, example, config.budget, record.get("plan_budget"),
+                                      config.plan_options())
     else:  # every rank plans (a collective: planner/distributed.py's [a distributed model is planned by all its ranks])
-        plan = plan_without_side_effects(model, example, config.budget)
+        plan = _new_plan(model, example, config.budget, config.plan_options())
         where = f"planned on {ranks.world} processes, one plan for all" if ranks else "planned"
         how = where + (f" ({why})" if step is not None else "") + f"; saved to {run_dir / 'plan.json'}"
     baseline_path = run_dir / "baseline.json"

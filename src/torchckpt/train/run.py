@@ -323,9 +323,9 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
         plan, stored = plan_job(config, record, model, example, checkpointer, ranks, _measure_baselines, say)
     baseline = stored.baseline
     del example, resident  # profiled as the step's batch; kept alive beside the loader's batches it would count twice
-    handle = apply_plan(model, plan)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    handle = apply_plan(model, plan, optimizer)  # with plan.optimizer_offload, AdamW's state in host memory
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / WARMUP_STEPS, total_iters=WARMUP_STEPS)
     progress = {"peak_bytes": 0, "timed_steps": 0, "timed_s": 0.0, "last_loss": float("nan"),
                 "plan_budget_bytes": plan.budget_bytes}
