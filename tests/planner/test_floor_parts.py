@@ -56,7 +56,8 @@ def test_the_message_names_the_parts_the_binding_block_and_the_levers(measured: 
     for part in ("parameters ", "optimizer state ", "more alive outside the blocks", "itself ("):
         assert part in message, (part, message)
     assert "(blocks." in message and "('" not in message, message  # blocks named by module path
-    for lever in ("optimizer_in_backward=True", "micro_batches=k", "(FSDP/ZeRO)", "offloading"):
+    for lever in ("optimizer_in_backward=True", "micro_batches=k", "(FSDP/ZeRO)", "optimizer_offload=True",
+                  "offload=True"):
         assert lever in message, (lever, message)
     assert f"Any budget >= {_below_floor(costs).floor_bytes} bytes is feasible" in message
 

@@ -130,3 +130,22 @@ def test_where_the_optimizer_step_sets_the_peak_it_is_predicted():
             del loss
     assert all(step > backward for backward, step in peaks)  # the step sets the peak here
     assert max(step for _, step in peaks) == plan.predicted_peak_bytes <= plan.budget_bytes, peaks
+
+
+def test_the_docs_example_runs_as_written():
+    """docs/planner.md's "The optimizer's state in host memory" example, executed; what it prints holds."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "planner.md").read_text()
+    section = text[text.index("## The optimizer's state in host memory"):]
+    block = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)[0]
+    namespace: dict = {}
+    exec(compile(block, "docs/planner.md", "exec"), namespace)  # noqa: S102 - our own docs
+    model, report = namespace["model"], namespace["report"]
+    state = 2 * sum(p.numel() * 4 for p in model.parameters())
+    assert namespace["with_state"].fixed_bytes - namespace["offloaded"].fixed_bytes == state
+    assert report.within_budget and report.gradients_equal, report.table()
+    assert namespace["plan"].budget_bytes == int(0.7 * namespace["with_state"].every_block_peak_bytes)
+    with pytest.raises(torchckpt.InfeasibleBudgetError, match="optimizer_offload=True"):  # the lever is named
+        namespace["with_state"].plan(namespace["plan"].budget_bytes)

@@ -135,7 +135,7 @@ def test_infeasible_error_names_the_floor_its_parts_and_what_to_try() -> None:
     assert (error.floor_bytes, error.budget_bytes) == (floor, floor - 1)
     assert error.breakdown["fixed_bytes"] == 100 and error.breakdown["activation_bytes"] == floor - 100
     text = str(error)
-    for part in (f"{floor} bytes", "fixed", "smaller batch", "offloading", "sharding", "block"):
+    for part in (f"{floor} bytes", "fixed", "smaller batch", "offload=True", "sharding", "block"):
         assert part in text
     assert solve(costs, floor).predicted_peak_bytes == floor
 

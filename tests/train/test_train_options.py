@@ -21,7 +21,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "train.md"
 # Not the defaults in any field (checked below): a field added to TrainConfig must be added here.
 NON_DEFAULT = TrainConfig(budget="300MiB", size="tiny", model="my models/m.py:build", batch_size=3, seq_len=32,
                           steps=7, save_every=2, seed=-5, lr=1 / 3, dir="-odd dir", threads=2, save=False,
-                          rendezvous_timeout=9)
+                          rendezvous_timeout=9, offload=True, optimizer_offload=True)
 PYTHON_ONLY = {"dropout"}  # fields without a command-line option (TrainConfig(dropout=...) only)
 
 

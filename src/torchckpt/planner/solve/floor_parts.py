@@ -63,7 +63,7 @@ def floor_parts(chain: Chain, schedule: Sequence[Piece], margin_bytes: int) -> t
         activations; batch_slices=k (plan(..., batch_slices=4)): each block whose outputs are exact in slices of the
         batch is recomputed one slice at a time (its weights' gradients then equal to rounding); sharding
         parameters, gradients and optimizer state (FSDP/ZeRO); offload=True (plan(..., offload=True)): blocks may
-        keep their saved activations in host memory instead of recomputing them; or offloading the optimizer state.
+        keep their saved activations in host memory instead of recomputing them.
     """
     costs = chain.costs
     parts = peak_parts(chain, schedule)
@@ -109,13 +109,14 @@ def floor_parts(chain: Chain, schedule: Sequence[Piece], margin_bytes: int) -> t
         levers.append("FSDP2 (fully_shard) instead of DDP, to shard parameters, gradients and optimizer state")
     else:
         levers.append("sharding parameters, gradients and optimizer state (FSDP/ZeRO)")
-    if any(block.offload_held_bytes >= 0 for block in costs.blocks):  # costs.py's [offloaded blocks]: planned
-        levers.append("offloading the optimizer state to host memory (not planned here)")
-    elif activations > 0 and "engine" not in costs.notes:
+    optimizer_state = kept["optimizer_state"]
+    if optimizer_state and not costs.optimizer_offload and engine is None:
+        levers.append(f"optimizer_offload=True (plan(..., optimizer=your_optimizer, optimizer_offload=True)): the "
+                      f"optimizer state, {format_bytes(optimizer_state)}, in host memory between steps, one "
+                      "parameter's on the device at a time")
+    if activations > 0 and engine is None and not any(block.offload_held_bytes >= 0 for block in costs.blocks):
         levers.append("offload=True (plan(..., offload=True)): blocks may keep their saved activations in host "
-                      "memory instead of recomputing them; or offloading the optimizer state")
-    else:
-        levers.append("offloading (optimizer state or activations to host memory)")
+                      "memory instead of recomputing them")
     text = f"{' + '.join(terms)}. What would lower it: {'; '.join(levers)}."
     figures: dict[str, Any] = {"floor_bytes": total, "fixed_bytes": parts.fixed_bytes, **{
         f"{name}_bytes": value for name, value in kept.items()}, "outside_bytes": outside,
