@@ -21,6 +21,8 @@ OPTIMIZERS = {
     "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
     "adam-decay": lambda params: torch.optim.Adam(params, lr=1e-3, weight_decay=0.01),
     "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-3, momentum=0.5),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-2),  # its state is made at construction
+    "adamw-amsgrad": lambda params: torch.optim.AdamW(params, lr=1e-3, amsgrad=True),
 }
 
 
@@ -180,3 +182,23 @@ def test_what_it_refuses():
     offload.remove()  # idempotent
     assert state_offload_of(optimizer) is None
     optimizer.step(closure)  # as before once removed
+
+
+def test_a_failing_update_leaves_the_gradients_and_state_where_they_were():
+    """An update that raises (here: AdamW refusing a sparse gradient) gives the loop back every gradient, and each
+    parameter's state stays in host memory."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    with OptimizerOffload(optimizer):
+        model(torch.ones(3, 4)).sum().backward()
+        optimizer.step()  # the state exists, in host memory
+        model(torch.ones(3, 4)).sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        sparse = torch.ones(2).to_sparse()
+        model[1].bias.grad = sparse  # the last parameter's update fails, after three have run
+        with pytest.raises(RuntimeError, match="sparse"):
+            optimizer.step()
+        assert [p.grad is g for p, g in zip(model.parameters(), grads)][:3] == [True, True, True]
+        assert model[1].bias.grad is sparse
+        assert all(is_host_tensor(s["exp_avg"]) for s in optimizer.state.values())

@@ -149,3 +149,15 @@ def test_the_docs_example_runs_as_written():
     assert namespace["plan"].budget_bytes == int(0.7 * namespace["with_state"].every_block_peak_bytes)
     with pytest.raises(torchckpt.InfeasibleBudgetError, match="optimizer_offload=True"):  # the lever is named
         namespace["with_state"].plan(namespace["plan"].budget_bytes)
+
+
+def test_refused_under_ddp_or_fsdp2(monkeypatch):
+    """A model in a process group (DDP, FSDP2) is refused before anything is measured, naming FSDP2's own offload."""
+    import sys
+
+    module = sys.modules["torchckpt.planner.profile"]  # the module: torchckpt.planner.profile is the function
+    monkeypatch.setattr(module, "process_group_of", lambda model: object())
+    model = gpt("tiny", dropout=0.0)
+    with pytest.raises(ValueError, match="not planned under DDP or FSDP2 yet .*CPUOffloadPolicy"):
+        torchckpt.profile(model, model.example_batch(batch_size=2, seq_len=16),
+                          optimizer=torch.optim.AdamW(model.parameters()), optimizer_offload=True)

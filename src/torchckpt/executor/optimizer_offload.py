@@ -144,18 +144,22 @@ class OptimizerOffload:
             raise ValueError("optimizer.step(closure) with the optimizer's state in host memory: the update runs one "
                              "parameter at a time and cannot re-evaluate the model; call loss.backward() yourself "
                              "and optimizer.step() without a closure, or plan without optimizer_offload")
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                single = self._singles.get(id(param))
-                if single is None or single.param_groups[0]["params"][0] is not param:
-                    single = self._singles[id(param)] = one_parameter_optimizer(optimizer, group, param)
-                single.param_groups[0].update(hyperparameters(group))  # an LR schedule's changes included
-                with self.on_device(param):
-                    single.step()
-                self._held.append((param, param.grad))
-                param.grad = None  # the optimizer's own step finds none (rule 2)
+        try:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    single = self._singles.get(id(param))
+                    if single is None or single.param_groups[0]["params"][0] is not param:
+                        single = self._singles[id(param)] = one_parameter_optimizer(optimizer, group, param)
+                    single.param_groups[0].update(hyperparameters(group))  # an LR schedule's changes included
+                    with self.on_device(param):
+                        single.step()
+                    self._held.append((param, param.grad))
+                    param.grad = None  # the optimizer's own step finds none (rule 2)
+        except BaseException:
+            self._after_step(optimizer, args, kwargs)  # the gradients back where the loop left them
+            raise
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         for param, grad in self._held:

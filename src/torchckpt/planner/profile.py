@@ -189,6 +189,9 @@ def profile(
     check_optimizer_options(optimizer, optimizer_in_backward=optimizer_in_backward,
                             optimizer_offload=optimizer_offload, micro_batches=micro_batches, batch_slices=batch_slices)
     group = process_group_of(model)  # planner/distributed.py's [a distributed model is planned by all its ranks]
+    if optimizer_offload and group is not None:  # the same on every rank: all refuse
+        raise ValueError("optimizer_offload=True is not planned under DDP or FSDP2 yet (FSDP2 has its own "
+                         "offload_policy=CPUOffloadPolicy()); plan without it")
     block_list = resolve_blocks(model, blocks)
     regions_off = sharded_blocks_note(block_list) if regions else "off (profiled with regions=False)"
     runner = StepRunner(model, example_inputs, loss_fn, optimizer, step_fn=step_fn, micro_batches=micro_batches)
