@@ -1,6 +1,6 @@
 """The CUDA validation kit: the checks a session lent a GPU runs once (``bench/cuda_check.sh``).
 
-Five sections, each recorded as ``ok`` or ``failed`` with the error, so that one failure loses nothing
+Six sections, each recorded as ``ok`` or ``failed`` with the error, so that one failure loses nothing
 else; the results file is rewritten after every section, so a run cut short keeps what it finished:
 
 1. ``meter``: ``MemoryMeter`` on the device against analytic bytes and the caching allocator's own
@@ -21,6 +21,12 @@ else; the results file is rewritten after every section, so a run cut short keep
    ``MUST_CPU_OFFLOAD`` on matmul outputs, in eager), each with its step time over no checkpointing.
 5. ``state``: an async ``Checkpointer`` save of the CUDA model and its AdamW state (the staging buffer is
    pinned for CUDA tensors), restored bitwise into a fresh model; blocking and total save times.
+6. ``optimizer_offload``: the same model with AdamW, profiled with its state on the device and in pinned host
+   memory (``optimizer_offload=True``): both floors against every block's peak with the state on the device;
+   the plan at the offloaded floor verified over a whole step (the update inside the measured peak, parameters
+   after it compared bitwise); then whole training steps (forward, backward, ``optimizer.step()``) interleaved:
+   every block with the state on the device, and the offloaded plan at every block's peak and at its floor, each
+   with its peak and its time over the first.
 
 ``--device cpu --quick`` runs the same code on the CPU in seconds; ``tests/bench/test_cuda_check.py``
 does, so every path but the CUDA calls themselves is exercised without a GPU.
@@ -57,7 +63,7 @@ from torchckpt.memory import MemoryMeter, synchronize
 
 __all__ = ["SECTIONS", "main"]
 
-SECTIONS = ("meter", "decoder", "speed", "offload", "state")
+SECTIONS = ("meter", "decoder", "speed", "offload", "state", "optimizer_offload")
 _MIB = 1 << 20
 
 
@@ -278,6 +284,63 @@ def check_offload(device: torch.device, quick: bool, batch_size: int, seq_len: i
     return result
 
 
+def check_optimizer_offload(device: torch.device, quick: bool, batch_size: int, seq_len: int,
+                            rounds: int) -> dict[str, Any]:
+    """AdamW's state in host memory: floors, a verified plan, whole steps timed (module docstring, section 6)."""
+    import torchckpt
+    from torchckpt.planner.from_costs import floor_over_options
+
+    model, batch, blocks = build_decoder(quick, device, batch_size, seq_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    on_device = torchckpt.profile(model, batch, optimizer=optimizer)
+    start = time.perf_counter()
+    offloaded = torchckpt.profile(model, batch, optimizer=optimizer, optimizer_offload=True)
+    floors = {name: floor_over_options(costs, allow_regions=True, margin_bytes=costs.margin_bytes)
+              for name, costs in (("state on the device", on_device), ("state in host memory", offloaded))}
+    every = on_device.every_block_peak_bytes
+    result: dict[str, Any] = {"planning_s": time.perf_counter() - start, "every_block_peak_bytes": every,
+                              "floors": floors, "floor_over_every_block": {k: v / every for k, v in floors.items()},
+                              "state_bytes": on_device.state_bytes}
+    at_floor = offloaded.plan(floors["state in host memory"])
+    report = torchckpt.verify_plan(model, at_floor, batch, optimizer=optimizer)
+    result["at_floor"] = {"budget_bytes": at_floor.budget_bytes, "predicted_peak_bytes": report.predicted_peak_bytes,
+                          "measured_peak_bytes": report.measured_peak_bytes, "within_budget": report.within_budget,
+                          "prediction_error": report.prediction_error, "parameters_equal": report.gradients_equal}
+    plans = {"torch.utils.checkpoint every block, state on the device": None,
+             "torchckpt, state in host memory, at every block's peak": offloaded.plan(every),
+             "torchckpt, state in host memory, at its floor": at_floor}
+    samples: dict[str, list[tuple[float, int]]] = {label: [] for label in plans}
+    for r in range(rounds + 1):  # round 0 warms up (and makes AdamW's state)
+        labels = list(plans)
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            plan = plans[label]
+            handle = torchckpt.apply(model, plan, optimizer=optimizer) if plan is not None else \
+                torchckpt.executor.checkpoint_modules(blocks)
+            try:
+                from torchckpt.planner.runner import StepRunner
+
+                runner = StepRunner(model, batch)
+                synchronize(device)
+                begin = time.perf_counter()
+                with MemoryMeter(device) as meter:
+                    runner.forward_backward()
+                    optimizer.step()
+                elapsed = time.perf_counter() - begin
+                optimizer.zero_grad()
+            finally:
+                handle.remove()
+            if r:
+                samples[label].append((elapsed, meter.peak_bytes))
+    rows = {label: {"median_s": statistics.median(t for t, _ in got), "min_s": min(t for t, _ in got),
+                    "max_s": max(t for t, _ in got), "peak_bytes": max(p for _, p in got)}
+            for label, got in samples.items()}
+    base = rows["torch.utils.checkpoint every block, state on the device"]["median_s"]
+    for row in rows.values():
+        row["over_every_block"] = row["median_s"] / base
+    result["steps"] = rows
+    return result
+
+
 def check_state(device: torch.device) -> dict[str, Any]:
     """Async save of a model and AdamW state on ``device``, restore into a fresh model, compare bitwise."""
     from torchckpt.state import Checkpointer
@@ -364,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> str:
         "speed": lambda: check_speed(device, args.quick, batch_size, seq_len, rounds),
         "offload": lambda: check_offload(device, args.quick, batch_size, seq_len, rounds),
         "state": lambda: check_state(device),
+        "optimizer_offload": lambda: check_optimizer_offload(device, args.quick, batch_size, seq_len, rounds),
     }
     for section in SECTIONS:
         if args.only and section not in args.only:

@@ -199,11 +199,24 @@ def _optimizer_snapshot(optimizer: torch.optim.Optimizer) -> dict[int, dict[str,
 
 
 def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[int, dict[str, Any]]) -> None:
+    """The saved state back; into the tensors the optimizer holds where they still fit, so that state kept in
+    host memory (executor/optimizer_offload.py) stays there."""
     params = {id(param): param for group in optimizer.param_groups for param in group["params"]}
+    now = {id(param): dict(state) for param, state in optimizer.state.items()}
     optimizer.state.clear()
     for key, state in saved.items():
-        optimizer.state[params[key]] = {name: _from_host(value) if isinstance(value, _HostTensor) else value
-                                        for name, value in state.items()}
+        restored: dict[str, Any] = {}
+        for name, value in state.items():
+            if isinstance(value, _HostTensor):
+                fresh, held = _from_host(value), now.get(key, {}).get(name)
+                if isinstance(held, torch.Tensor) and (held.shape, held.dtype) == (fresh.shape, fresh.dtype) and \
+                        held.device.type == "cpu" and fresh.device.type == "cpu":
+                    with torch.no_grad():
+                        held.copy_(fresh)
+                    fresh = held
+                value = fresh
+            restored[name] = value
+        optimizer.state[params[key]] = restored
 
 
 @contextlib.contextmanager

@@ -25,7 +25,8 @@ def test_the_dry_run_passes_every_section(tmp_path: Path) -> None:
     results = json.loads(path.read_text())
     sections = results["sections"]
     assert {name: record["status"] for name, record in sections.items()} == dict.fromkeys(
-        ("meter", "decoder", "speed", "offload", "state"), "ok"), {n: r.get("error") for n, r in sections.items()}
+        ("meter", "decoder", "speed", "offload", "state", "optimizer_offload"), "ok"), {
+            n: r.get("error") for n, r in sections.items()}
     assert sections["meter"]["meter_peak_bytes"] == sections["meter"]["analytic_peak_bytes"] == 48 << 20
     decoder = sections["decoder"]
     assert decoder["within_budget"] and decoder["measured_peak_bytes"] <= decoder["budget_bytes"]
@@ -43,6 +44,12 @@ def test_the_dry_run_passes_every_section(tmp_path: Path) -> None:
         assert verified["measured_host_peak_bytes"] == verified["predicted_host_peak_bytes"], where
     assert offload["floor_bytes"] <= offload["every_block_peak_bytes"]
     assert {"no checkpointing", "torchckpt plan with offload"} <= set(offload["methods"])
+    moved = sections["optimizer_offload"]  # AdamW's state in host memory: a lower floor, the step within its budget
+    floors = moved["floors"]
+    assert floors["state in host memory"] < floors["state on the device"] <= moved["every_block_peak_bytes"]
+    assert moved["at_floor"]["within_budget"] and moved["at_floor"]["parameters_equal"]
+    steps = moved["steps"]
+    assert steps["torchckpt, state in host memory, at its floor"]["peak_bytes"] <= floors["state in host memory"]
     state = sections["state"]
     assert state["valid"] == [True] and state["model_bitwise"] and state["optimizer_bitwise"]
     assert len(results["commit"]) == 40 or results["commit"] == "unknown"

@@ -111,3 +111,33 @@ def test_a_plan_made_with_it_holds_its_budget_and_updates_bitwise():
         assert all(p.grad is None for p in model.parameters())
     model(*batch).backward()  # removed: gradients again
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_load_state_dict_between_steps_is_honoured():
+    """load_state_dict replaces the optimizer's state dict; the per-parameter updates use the new one (they kept
+    updating the old one before, and every later checkpoint saved the stale loaded state)."""
+    torch.manual_seed(8)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    plain, inside = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(twin.parameters())
+    with optimizer_in_backward(inside):
+        for _ in range(2):
+            model(x).sum().backward()
+            plain.step()
+            plain.zero_grad()
+            twin(x).sum().backward()
+        saved = [copy.deepcopy(o.state_dict()) for o in (plain, inside)]
+        for _ in range(2):
+            model(x).sum().backward()
+            plain.step()
+            plain.zero_grad()
+            twin(x).sum().backward()
+        plain.load_state_dict(saved[0])
+        inside.load_state_dict(saved[1])
+        model(x).sum().backward()
+        plain.step()
+        twin(x).sum().backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(plain.state[p]["step"], inside.state[q]["step"])
+        assert torch.equal(plain.state[p]["exp_avg"], inside.state[q]["exp_avg"])

@@ -12,7 +12,7 @@ import torch
 from torchckpt.executor.optimizer_in_backward import optimizer_in_backward
 from torchckpt.executor.optimizer_offload import OptimizerOffload, state_offload_of
 from torchckpt.memory import MemoryMeter
-from torchckpt.memory.host_pool import host_live_bytes, is_host_tensor
+from torchckpt.memory.host_pool import host_live_bytes, host_state_bytes, is_host_tensor
 from torchckpt.models import gpt
 from torchckpt.planner.runner import StepRunner
 
@@ -82,17 +82,18 @@ def test_the_device_holds_one_parameters_state_at_a_time():
     plain_peak, plain_base = step_peak(plain)
     del plain  # its state goes; the same parameters take a fresh, offloaded AdamW
     offloaded = torch.optim.AdamW(model.parameters())
-    before = host_live_bytes()
+    before, activations = host_state_bytes(), host_live_bytes()
     with OptimizerOffload(offloaded):
         peak, base = step_peak(offloaded)
-        assert host_live_bytes() - before == 2 * param_bytes  # exp_avg and exp_avg_sq, exactly
+        assert host_state_bytes() - before == 2 * param_bytes  # exp_avg and exp_avg_sq, exactly
+        assert host_live_bytes() == activations  # counted apart from offloaded activations (their host budget)
         scalars = 4 * len(offloaded.state)  # AdamW's float32 step counters stay where AdamW keeps them
         assert StepRunner(model, (x,), optimizer=offloaded).state_bytes()["optimizer_state"] == scalars
         with MemoryMeter(module=model, optimizer=offloaded) as meter:
             assert meter.breakdown().optimizer_state == scalars
     assert plain_base - base == 2 * param_bytes  # the device no longer holds the state between steps
     assert peak - base == (plain_peak - plain_base) + 2 * largest  # one parameter's state on the device at a time
-    assert host_live_bytes() == before  # remove() brought it back; the host tensors are gone
+    assert host_state_bytes() == before  # remove() brought it back; the host tensors are gone
 
 
 def test_load_state_dict_and_a_checkpoint_resume_bitwise(tmp_path):
@@ -202,3 +203,119 @@ def test_a_failing_update_leaves_the_gradients_and_state_where_they_were():
         assert [p.grad is g for p, g in zip(model.parameters(), grads)][:3] == [True, True, True]
         assert model[1].bias.grad is sparse
         assert all(is_host_tensor(s["exp_avg"]) for s in optimizer.state.values())
+
+
+def test_load_state_dict_mid_run_is_honoured_and_lands_in_host_memory():
+    """load_state_dict replaces the optimizer's state dict: the next updates use the loaded state (not the one
+    before), which goes straight to host tensors, cast as torch casts it; the run continues bitwise."""
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    plain, offloaded = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(twin.parameters())
+
+    def steps(m: torch.nn.Module, o: torch.optim.Optimizer, n: int) -> None:
+        for _ in range(n):
+            m(x).sum().backward()
+            o.step()
+            o.zero_grad()
+
+    with OptimizerOffload(offloaded):
+        steps(model, plain, 2)
+        steps(twin, offloaded, 2)
+        saved = [copy.deepcopy(o.state_dict()) for o in (plain, offloaded)]
+        weights = [copy.deepcopy(m.state_dict()) for m in (model, twin)]
+        steps(model, plain, 3)
+        steps(twin, offloaded, 3)
+        before = host_state_bytes()
+        for m, o, w, s in zip((model, twin), (plain, offloaded), weights, saved):
+            m.load_state_dict(w)
+            o.load_state_dict(s)
+        assert host_state_bytes() <= before  # the replaced state's host tensors went
+        loaded = [v for state in offloaded.state.values() for v in state.values() if v.dim() > 0]
+        assert all(is_host_tensor(v) for v in loaded)
+        assert not any(v is w for v in loaded for state in saved[1]["state"].values() for w in state.values())
+        steps(model, plain, 2)
+        steps(twin, offloaded, 2)
+        pairs = list(zip(model.parameters(), twin.parameters()))
+        assert all(torch.equal(p, q) for p, q in pairs)
+        _states_equal(plain, offloaded, pairs)
+        double = {"state": {i: {k: v.double() if v.dim() else v for k, v in entry.items()}
+                            for i, entry in saved[1]["state"].items()}, "param_groups": saved[1]["param_groups"]}
+        offloaded.load_state_dict(double)  # cast to the parameters' float32, as torch casts it
+        assert all(v.dtype == torch.float32 and is_host_tensor(v) for state in offloaded.state.values()
+                   for v in state.values() if v.dim() > 0)
+
+
+def test_planning_with_an_offloaded_optimizer_keeps_its_state_in_host_memory():
+    """profile's preserved state puts the optimizer's state back into the same host tensors (before, it made
+    plain tensors of them, which the meter then counted as device bytes)."""
+    import torchckpt
+
+    torch.manual_seed(7)
+    model = gpt("tiny", dropout=0.0)
+    batch = model.example_batch(batch_size=2, seq_len=16)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with OptimizerOffload(optimizer):
+        for _ in range(2):
+            model(*batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        before = {id(v): v.clone() for state in optimizer.state.values() for v in state.values()}
+        torchckpt.profile(model, batch, optimizer=optimizer, optimizer_offload=True)
+        after = [v for state in optimizer.state.values() for v in state.values() if v.dim() > 0]
+        assert after and all(is_host_tensor(v) for v in after)
+        assert all(torch.equal(v, before[id(v)]) for state in optimizer.state.values() for v in state.values())
+
+
+def test_a_step_pre_hook_registered_after_it_is_refused_one_before_sees_the_gradients():
+    layer = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    seen = []
+    optimizer.register_step_pre_hook(lambda o, a, k: seen.append(layer.weight.grad is not None))
+    with OptimizerOffload(optimizer):
+        layer(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+        assert seen == [True]
+        late = optimizer.register_step_pre_hook(lambda o, a, k: None)
+        weight = layer.weight.detach().clone()
+        with pytest.raises(ValueError, match="registered on this optimizer after its state went to host memory"):
+            optimizer.step()
+        assert torch.equal(layer.weight, weight) and layer.weight.grad is not None  # refused before any update
+        late.remove()
+        optimizer.step()
+        assert not torch.equal(layer.weight, weight)
+
+
+def test_an_offload_never_removed_does_not_keep_its_optimizer_alive():
+    import gc
+    import weakref
+
+    layer = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    OptimizerOffload(optimizer)
+    layer(torch.ones(1, 64)).sum().backward()
+    optimizer.step()
+    before, alive = host_state_bytes(), weakref.ref(optimizer)
+    del optimizer, layer
+    gc.collect()
+    assert alive() is None and host_state_bytes() < before
+
+
+def test_host_tensors_are_known_by_their_storage_and_empty_state_stays_put():
+    from torchckpt.memory.host_pool import host_tensor
+
+    before = host_state_bytes()
+    base = host_tensor((256,), torch.float32)
+    alias = base.detach()
+    del base
+    assert is_host_tensor(alias) and host_state_bytes() - before == 1024  # the storage lives on in the alias
+    alias.set_(torch.zeros(3).untyped_storage())  # the storage swapped: the host one is gone
+    assert host_state_bytes() == before and not is_host_tensor(alias)
+    empty = torch.nn.Parameter(torch.empty(0))
+    full = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([empty, full])
+    with OptimizerOffload(optimizer):
+        (empty.sum() + full.sum()).backward()
+        optimizer.step()
+        assert not is_host_tensor(optimizer.state[empty]["exp_avg"]) and is_host_tensor(optimizer.state[full]["exp_avg"])

@@ -66,6 +66,7 @@ class OptimizerInBackward:
         _ACTIVE.append(self)
 
     def _update(self, param: torch.Tensor, *, single: torch.optim.Optimizer, group: dict) -> None:
+        single.state = self.optimizer.state  # load_state_dict replaces the dict: share the current one
         single.param_groups[0].update(hyperparameters(group))  # an LR schedule's changes included
         offload = state_offload_of(self.optimizer)  # executor/optimizer_offload.py: its state comes to the device
         with offload.on_device(param) if offload is not None else contextlib.nullcontext():

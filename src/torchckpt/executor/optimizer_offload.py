@@ -27,6 +27,7 @@ the device holds, beyond parameters and gradients, at most one parameter's state
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,7 +38,8 @@ from torchckpt.memory.host_pool import host_tensor, is_host_tensor, unmetered
 
 __all__ = ["OptimizerOffload", "state_offload_of"]
 
-_ACTIVE: dict[int, OptimizerOffload] = {}  # id(optimizer) -> its offload
+# id(optimizer) -> its offload, weakly: the optimizer's hooks keep an offload alive, not this table
+_ACTIVE: weakref.WeakValueDictionary[int, OptimizerOffload] = weakref.WeakValueDictionary()
 
 
 def state_offload_of(optimizer: torch.optim.Optimizer) -> OptimizerOffload | None:
@@ -87,18 +89,29 @@ class OptimizerOffload:
         self.updates = 0
         self._singles: dict[int, torch.optim.Optimizer] = {}
         self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._loading: list[tuple[torch.Tensor, str, torch.Tensor]] = []
+        self._synced_task = -1
         self._hooks = [optimizer.register_step_pre_hook(self._before_step),
                        optimizer.register_step_post_hook(self._after_step),
-                       optimizer.register_load_state_dict_post_hook(lambda _optimizer: self._to_host())]
+                       optimizer.register_load_state_dict_pre_hook(self._before_load),
+                       optimizer.register_load_state_dict_post_hook(self._after_load)]
+        self._own_hook = self._hooks[0].id
         _ACTIVE[id(optimizer)] = self
         self._to_host()
 
     # ------------------------------------------------------------------------------------ where the state lives
+    @staticmethod
+    def _movable(value: object) -> bool:
+        """A state tensor that goes to the host: one or more dimensions and some elements (an empty one holds no
+        memory, and has no address to be known by)."""
+        return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() > 0
+
     def _to_host(self) -> None:
-        """[the state lives on the host between steps]."""
+        """[the state lives on the host between steps]: also what something else put back on the device (a
+        restore of the state by assignment) goes back."""
         for state in list(self.optimizer.state.values()):
             for key, value in list(state.items()):
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and not is_host_tensor(value):
+                if self._movable(value) and not is_host_tensor(value):
                     host = host_tensor(value.shape, value.dtype, pin=self.pin)
                     with unmetered():
                         host.copy_(value)
@@ -110,6 +123,39 @@ class OptimizerOffload:
             for key, value in list(state.items()):
                 if isinstance(value, torch.Tensor) and is_host_tensor(value):
                     state[key] = value.to(param.device, copy=True)
+
+    def _before_load(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+        """The loaded state goes straight to host tensors: torch would first copy all of it next to the
+        parameters (rule 1). Each tensor of a parameter's state is taken out here and put back by
+        ``_after_load``, cast as torch casts it (floating-point state to its parameter's dtype)."""
+        saved_ids = [i for group in state_dict.get("param_groups", []) for i in group.get("params", [])]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        by_id = dict(zip(saved_ids, params))
+        states = {}
+        for saved_id, entry in state_dict.get("state", {}).items():
+            param = by_id.get(saved_id)
+            if param is None or not isinstance(entry, dict):
+                states[saved_id] = entry
+                continue
+            kept = {}
+            for key, value in entry.items():
+                if self._movable(value) and key != "step":
+                    self._loading.append((param, key, value))
+                else:
+                    kept[key] = value
+            states[saved_id] = kept
+        return {**state_dict, "state": states}
+
+    def _after_load(self, optimizer: torch.optim.Optimizer) -> None:
+        loading, self._loading = self._loading, []
+        for param, key, value in loading:
+            dtype = param.dtype if value.is_floating_point() and param.is_floating_point() else value.dtype
+            host = host_tensor(value.shape, dtype, pin=self.pin)
+            with unmetered():
+                host.copy_(value)
+            optimizer.state[param][key] = host
+        self._singles.clear()  # load_state_dict made a new state dict; the one-parameter optimizers share it anew
+        self._to_host()
 
     @contextlib.contextmanager
     def on_device(self, param: torch.Tensor) -> Iterator[None]:
@@ -127,7 +173,7 @@ class OptimizerOffload:
         finally:
             state = self.optimizer.state.get(param, {})
             for key, value in list(state.items()):
-                if not isinstance(value, torch.Tensor) or value.dim() == 0 or is_host_tensor(value):
+                if not self._movable(value) or is_host_tensor(value):
                     continue
                 kept = hosts.get(key)
                 target = kept if kept is not None and kept.shape == value.shape and kept.dtype == value.dtype else \
@@ -136,6 +182,15 @@ class OptimizerOffload:
                     target.copy_(value, non_blocking=self.pin)
                 state[key] = target
             self.updates += 1
+            if self.pin and torch._C._current_graph_task_id() != -1:  # inside a backward pass (rule 2)
+                self._synchronize_at_backward_end()
+
+    def _synchronize_at_backward_end(self) -> None:
+        """With the update inside the backward pass, its last copies are final when that pass ends."""
+        task = torch._C._current_graph_task_id()
+        if task != self._synced_task:
+            self._synced_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._synchronize)
 
     # ------------------------------------------------------------------------------------ the step
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -144,6 +199,13 @@ class OptimizerOffload:
             raise ValueError("optimizer.step(closure) with the optimizer's state in host memory: the update runs one "
                              "parameter at a time and cannot re-evaluate the model; call loss.backward() yourself "
                              "and optimizer.step() without a closure, or plan without optimizer_offload")
+        hooks = list(optimizer._optimizer_step_pre_hooks)
+        if hooks.index(self._own_hook) != len(hooks) - 1:  # a later pre-hook would see no gradient
+            raise ValueError("a step pre-hook was registered on this optimizer after its state went to host memory: "
+                             "it would run after the update and find no gradients; register it before "
+                             "OptimizerOffload (before torchckpt.apply), or clip or scale gradients in the loop "
+                             "before optimizer.step()")
+        self._to_host()  # what a restore by assignment put back on the device
         try:
             for group in optimizer.param_groups:
                 for param in group["params"]:
@@ -152,6 +214,7 @@ class OptimizerOffload:
                     single = self._singles.get(id(param))
                     if single is None or single.param_groups[0]["params"][0] is not param:
                         single = self._singles[id(param)] = one_parameter_optimizer(optimizer, group, param)
+                    single.state = optimizer.state  # load_state_dict replaces the dict: share the current one
                     single.param_groups[0].update(hyperparameters(group))  # an LR schedule's changes included
                     with self.on_device(param):
                         single.step()
@@ -168,18 +231,24 @@ class OptimizerOffload:
         self._synchronize()
 
     def _synchronize(self) -> None:
-        if self.pin and torch.cuda.is_available():
-            torch.cuda.synchronize()
+        """Every device a parameter is on, so that the host tensors are final."""
+        if not (self.pin and torch.cuda.is_available()):
+            return
+        devices = {p.device for group in self.optimizer.param_groups for p in group["params"] if p.is_cuda}
+        for device in devices:
+            torch.cuda.synchronize(device)
 
-    def remove(self) -> None:
-        """Move the state back to its parameters' devices and take the hooks off (idempotent)."""
+    def remove(self, *, to_device: bool = True) -> None:
+        """Take the hooks off and (``to_device``, the default) move the state back to its parameters' devices;
+        ``to_device=False`` leaves it in host memory, for a caller about to drop or replace it (idempotent)."""
         if _ACTIVE.get(id(self.optimizer)) is not self:
             return
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
         del _ACTIVE[id(self.optimizer)]
-        self._to_devices()
+        if to_device:
+            self._to_devices()
 
     def __enter__(self) -> OptimizerOffload:
         return self

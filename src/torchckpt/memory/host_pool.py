@@ -14,9 +14,11 @@ Rules (named in ``docs/design.md``):
 3. **[a host limit is never crossed]** ``host_buffer(nbytes, limit_bytes=L)`` returns None instead of
    allocating when the live host bytes would exceed ``L``: the caller keeps the tensor on the device.
 4. **[a host tensor is known by its address]** ``host_tensor`` makes a typed host tensor (an optimizer's state
-   between steps, executor/optimizer_offload.py), counted as rule 1 says; every host allocation's address is
-   kept while it lives, so ``is_host_tensor`` tells it apart and a ``MemoryMeter`` entered while it lives does not
-   take it for a device tensor alive at entry.
+   between steps, executor/optimizer_offload.py), counted apart from the offloaded activations
+   (``host_state_bytes``: neither a host limit nor the activations' host peak includes it). Every host
+   allocation's address is kept, and its bytes counted, until its storage dies (not the tensor that made it: a
+   view or ``detach()`` keeps it alive, ``set_`` releases it), so ``is_host_tensor`` tells it apart and a
+   ``MemoryMeter`` entered while it lives does not take it for a device tensor alive at entry.
 """
 
 from __future__ import annotations
@@ -29,19 +31,23 @@ from collections.abc import Iterator
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["host_buffer", "host_live_bytes", "host_peak_bytes", "host_tensor", "is_host_tensor", "reset_host_peak",
-           "unmetered"]
+__all__ = ["host_buffer", "host_live_bytes", "host_peak_bytes", "host_state_bytes", "host_tensor", "is_host_tensor",
+           "reset_host_peak", "unmetered"]
 
 _LOCK = threading.Lock()
-_LIVE = 0
+_LIVE = 0  # offloaded activations (host_buffer)
 _PEAK = 0
+_STATE_LIVE = 0  # typed host tensors (host_tensor): an optimizer's state
 _ADDRESSES: set[int] = set()  # [a host tensor is known by its address]
 
 
-def _release(nbytes: int, address: int) -> None:
-    global _LIVE
+def _release(nbytes: int, address: int, state: bool) -> None:
+    global _LIVE, _STATE_LIVE
     with _LOCK:
-        _LIVE -= nbytes
+        if state:
+            _STATE_LIVE -= nbytes
+        else:
+            _LIVE -= nbytes
         _ADDRESSES.discard(address)
 
 
@@ -73,7 +79,7 @@ def host_buffer(nbytes: int, *, pin: bool = False, limit_bytes: int | None = Non
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"host_buffer(nbytes): expected an int >= 0; got {nbytes!r}")
-    return _counted((nbytes,), torch.uint8, pin, limit_bytes)
+    return _counted((nbytes,), torch.uint8, pin, limit_bytes, state=False)
 
 
 def host_tensor(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
@@ -87,13 +93,14 @@ def host_tensor(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, *, pin:
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"host_tensor(dtype): expected a torch.dtype; got {dtype!r}")
-    buffer = _counted(tuple(shape), dtype, pin, None)
+    buffer = _counted(tuple(shape), dtype, pin, None, state=True)
     assert buffer is not None  # no limit: never refused
     return buffer
 
 
-def _counted(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, limit_bytes: int | None) -> torch.Tensor | None:
-    global _LIVE, _PEAK
+def _counted(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, limit_bytes: int | None, *,
+             state: bool) -> torch.Tensor | None:
+    global _LIVE, _PEAK, _STATE_LIVE
     if limit_bytes is not None and (isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int)
                                     or limit_bytes < 0):
         raise ValueError(f"host_buffer(limit_bytes): expected None or an int >= 0; got {limit_bytes!r}")
@@ -101,20 +108,24 @@ def _counted(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, limit_bytes:
     for size in shape:
         nbytes *= size
     with _LOCK:
-        if limit_bytes is not None and _LIVE + nbytes > limit_bytes:
-            return None
-        _LIVE += nbytes
-        _PEAK = max(_PEAK, _LIVE)
+        if state:
+            _STATE_LIVE += nbytes
+        else:
+            if limit_bytes is not None and _LIVE + nbytes > limit_bytes:
+                return None
+            _LIVE += nbytes
+            _PEAK = max(_PEAK, _LIVE)
     try:
         with unmetered():
             buffer = torch.empty(shape, dtype=dtype, pin_memory=pin)
     except BaseException:
-        _release(nbytes, 0)
+        _release(nbytes, 0, state)
         raise
-    address = buffer.untyped_storage().data_ptr()
+    storage = buffer.untyped_storage()
+    address = storage.data_ptr()
     with _LOCK:
         _ADDRESSES.add(address)
-    weakref.finalize(buffer, _release, nbytes, address)
+    weakref.finalize(storage, _release, nbytes, address, state)  # the storage, not this tensor: rule 4
     return buffer
 
 
@@ -130,8 +141,19 @@ def is_host_tensor(tensor: torch.Tensor | torch.UntypedStorage) -> bool:
     return address != 0 and address in _ADDRESSES
 
 
+def host_state_bytes() -> int:
+    """Bytes of ``host_tensor`` tensors alive now (an optimizer's state in host memory; rule 4).
+
+    Example:
+        >>> before = host_state_bytes(); state = host_tensor((256,), torch.float32)
+        >>> host_state_bytes() - before
+        1024
+    """
+    return _STATE_LIVE
+
+
 def host_live_bytes() -> int:
-    """Bytes of host buffers alive now.
+    """Bytes of host buffers (offloaded activations, ``host_buffer``) alive now.
 
     Example:
         >>> host_live_bytes() >= 0

@@ -62,7 +62,8 @@ def check_optimizer_options(optimizer: object, *, optimizer_in_backward: object,
 def optimizer_options(optimizer: torch.optim.Optimizer | None, *, in_backward: bool,
                       offload: bool) -> Iterator[None]:
     """Inside: ``optimizer``'s state in host memory (``offload``, unless it is there already) and its update inside
-    the backward pass (``in_backward``); both undone on exit.
+    the backward pass (``in_backward``); both undone on exit, the state left in host memory for the caller to put
+    back (``preserved_state``: no copy of it all next to the parameters first).
 
     Example:
         >>> layer = torch.nn.Linear(2, 2)
@@ -75,7 +76,8 @@ def optimizer_options(optimizer: torch.optim.Optimizer | None, *, in_backward: b
     """
     with contextlib.ExitStack() as stack:
         if offload and optimizer is not None and state_offload_of(optimizer) is None:
-            stack.enter_context(OptimizerOffload(optimizer))
+            # left in host memory at the end: the profiler puts the optimizer's own state back right after
+            stack.callback(OptimizerOffload(optimizer).remove, to_device=False)
         if in_backward and optimizer is not None:
             stack.enter_context(optimizer_in_backward_of(optimizer))
         yield

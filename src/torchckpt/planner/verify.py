@@ -24,6 +24,7 @@ from torchckpt._units import format_bytes
 from torchckpt.executor import recompute_checks
 from torchckpt.executor.compiled import eager_measurement, uncompiled
 from torchckpt.executor.kv_cache import kv_cache_off
+from torchckpt.executor.optimizer_offload import state_offload_of
 from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner.apply import apply_plan
 from torchckpt.planner.plan import Plan, iter_blocks
@@ -248,6 +249,9 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
         with preserved_state(model, updates), apply_plan(model, plan, updates), recompute_checks():
             peak, step_time, grads, host_peak = _measured_step(runner, seed, updates)
             differing = _first_difference(_buffer_bytes(model), plain_buffers)
+            moved = state_offload_of(optimizer) if optimizer is not None and plan.optimizer_offload else None
+            if moved is not None:  # put back by preserved_state: not all copied next to the parameters first
+                moved.remove(to_device=False)
     rounding = loss_head_parameters(model, plan) + sliced_parameters(model, plan)
     groups = [[i for i, _ in sliced_parameters(model, plan, only=piece.block)]
               for piece, _ in iter_blocks(plan.schedule) if piece.slices > 1]

@@ -37,6 +37,7 @@ from torch import nn
 from torchckpt._progress import phase, reporting
 from torchckpt._units import format_bytes
 from torchckpt.executor import CheckpointHandle, wrap_forward
+from torchckpt.executor.optimizer_offload import state_offload_of
 from torchckpt.memory import MemoryMeter
 from torchckpt.models import BatchShape, ModelSpecError, gpt, load_model
 from torchckpt.planner import Plan, apply_plan, default_loss, preserved_state
@@ -357,6 +358,9 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
     summary.update({key: baseline[key] for key in ("every_block_peak_bytes", "every_block_step_s") if key in baseline})
     if ranks is not None:
         summary["processes"] = ranks.world
+    moved = state_offload_of(optimizer)
+    if moved is not None:  # the run is over: AdamW's state is not copied next to the parameters at the end
+        moved.remove(to_device=False)
     handle.remove()
     if ranks is None or ranks.leader:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
