@@ -5,19 +5,26 @@ An AdamW's state is twice its parameters, and it stays on the device for the who
 on the CPU the second pool of ``memory/host_pool.py``, which ``MemoryMeter`` does not count as device bytes), so
 the device holds, beyond parameters and gradients, at most one parameter's state at a time. Rules:
 
-1. **[the state lives on the host between steps]** Every state tensor of one or more dimensions (AdamW's
-   ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``) is moved into a host tensor when the offload is made,
-   after each update that made it, and after ``optimizer.load_state_dict`` (which puts it next to the parameter).
-   Scalars (AdamW's ``step``) stay where the optimizer keeps them. ``optimizer.state_dict()`` and checkpoints then
-   see host tensors; ``remove()`` moves the state back to its parameters' devices.
+1. **[the state lives on the host between steps]** Every state tensor with one or more dimensions and some
+   elements (AdamW's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``) is moved into a host tensor when
+   the offload is made and after each update that made it; ``optimizer.load_state_dict`` puts it straight into host
+   tensors (taken out of the loaded dict before torch would copy it all next to the parameters, and cast as torch
+   casts it), and what a restore by assignment put back is moved again before the next step. Scalars (AdamW's
+   ``step``) and empty tensors stay where the optimizer keeps them. ``optimizer.state_dict()`` and checkpoints see
+   host tensors; ``remove()`` moves the state back to its parameters' devices (``remove(to_device=False)`` leaves it,
+   for a caller about to drop or replace it). The host bytes are counted apart from offloaded activations
+   (``host_pool.host_state_bytes``), outside any activation host budget.
 2. **[one parameter's state on the device at a time]** ``optimizer.step()`` runs, before the optimizer's own step,
    the optimizer's update one parameter at a time (executor/one_parameter.py): that parameter's state is copied
    to its device, updated there, copied back into the same host tensors, and the device copies go before the next
    parameter. Then the optimizer's own step runs with the gradients held aside (it finds none and changes nothing,
-   while its hooks and an LR scheduler's bookkeeping run as always), and the gradients come back. On CUDA the
-   copies are asynchronous on the current stream (ordered with the update, the caching allocator safe), and the
-   step ends with a synchronisation, so the host tensors are final when it returns. With the optimizer inside the
-   backward pass (executor/optimizer_in_backward.py) each of its per-parameter updates does the same.
+   while its hooks and an LR scheduler's bookkeeping run as always), and the gradients come back (also when an
+   update raises). A step pre-hook registered after the offload would run after the update and find no gradients:
+   the step refuses it. On CUDA the copies are asynchronous on the current stream (ordered with the update, the
+   caching allocator safe), and the step ends by synchronising every device a parameter is on, so the host
+   tensors are final when it returns. With the optimizer inside the backward pass
+   (executor/optimizer_in_backward.py) each of its per-parameter updates does the same, synchronised when the
+   backward pass ends.
 3. **[the update stays the optimizer's own]** On the CPU, where optimizers take one tensor at a time by default, the
    parameters and state after the step are bitwise those of the plain ``optimizer.step()``
    (tests/executor/test_optimizer_offload.py). A closure (``step(closure)``), LBFGS, fused optimizers, sparse
