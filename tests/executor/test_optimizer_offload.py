@@ -320,3 +320,24 @@ def test_host_tensors_are_known_by_their_storage_and_empty_state_stays_put():
         optimizer.step()
         assert not is_host_tensor(optimizer.state[empty]["exp_avg"])
         assert is_host_tensor(optimizer.state[full]["exp_avg"])
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_before_anything_changes(tmp_path):
+    """Its load hooks only move the state, so the Checkpointer still checks a saved optimizer state against the
+    optimizer before loading anything ([no half restore])."""
+    import torchckpt
+    from torchckpt.state.errors import CheckpointMismatchError
+
+    small = torch.nn.Linear(4, 4)
+    other = torch.optim.AdamW([{"params": [small.weight]}, {"params": [small.bias]}])  # two groups
+    with torchckpt.Checkpointer(tmp_path / "run") as checkpointer:
+        checkpointer.save(1, optimizer=other)
+    optimizer = torch.optim.AdamW(small.parameters())  # one group
+    with OptimizerOffload(optimizer):
+        small(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+        before = {key: value.clone() for key, value in optimizer.state[small.weight].items()}
+        with torchckpt.Checkpointer(tmp_path / "run") as checkpointer, pytest.raises(CheckpointMismatchError,
+                                                                                    match="parameter group"):
+            checkpointer.restore(optimizer=optimizer)
+        assert all(torch.equal(value, before[key]) for key, value in optimizer.state[small.weight].items())

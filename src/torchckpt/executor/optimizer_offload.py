@@ -262,3 +262,9 @@ class OptimizerOffload:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.remove()
+
+
+# The Checkpointer checks a saved optimizer state against the optimizer before loading anything, unless a load
+# hook may change its structure (state/live/capture.py); these hooks only move where its tensors live.
+OptimizerOffload._before_load.keeps_state_structure = True  # type: ignore[attr-defined]
+OptimizerOffload._after_load.keeps_state_structure = True  # type: ignore[attr-defined]

@@ -247,10 +247,11 @@ def _check_module(name: str, module: torch.nn.Module, state: Any, source: str) -
 
 
 def _check_optimizer(name: str, optimizer: torch.optim.Optimizer, state: Any, source: str) -> bool:
+    hooks = [*getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", {}).values(),
+             *getattr(optimizer, "_optimizer_load_state_dict_post_hooks", {}).values()]
     if (type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict
-            or getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", None)
-            or getattr(optimizer, "_optimizer_load_state_dict_post_hooks", None)):
-        return False  # its own loading code may adapt the saved state
+            or not all(getattr(hook, "keeps_state_structure", False) for hook in hooks)):
+        return False  # its own loading code may adapt the saved state (a hook that only moves it does not)
     saved = state.get("param_groups") if isinstance(state, Mapping) else None
     if not (isinstance(saved, list) and "state" in state
             and all(isinstance(group, Mapping) and isinstance(group.get("params"), list) for group in saved)):
