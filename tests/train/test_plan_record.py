@@ -42,7 +42,7 @@ class Job:
         self.dir, self.plans_made, self.measured = tmp_path / "run", 0, 0
         self.checkpointer = Checkpointer(self.dir / "checkpoints")
 
-        def plan_again(model: Any, example: Any, budget: Any) -> Plan:
+        def plan_again(model: Any, example: Any, budget: Any, **options: Any) -> Plan:
             self.plans_made += 1
             assert model is self.model and budget in ("90%", "95%")
             return self.plan

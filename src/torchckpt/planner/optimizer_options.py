@@ -88,9 +88,16 @@ def optimizer_step_peak(runner: StepRunner) -> int | None:
     returning the step's device peak ([the optimizer step's peak is measured with its state offloaded]); else None.
 
     Example:
-        >>> runner = StepRunner(torch.nn.Linear(4, 2), (torch.ones(1, 4),))
-        >>> runner.forward_backward() is not None, optimizer_step_peak(runner)
-        (True, None)
+        >>> layer = torch.nn.Linear(4, 2)
+        >>> optimizer = torch.optim.AdamW(layer.parameters())
+        >>> runner = StepRunner(layer, (torch.ones(1, 4),), lambda output: output.sum(), optimizer)
+        >>> _ = runner.forward_backward()
+        >>> optimizer_step_peak(runner) is None  # the state on the device: the step is not measured
+        True
+        >>> with OptimizerOffload(optimizer):
+        ...     _ = runner.forward_backward()
+        ...     optimizer_step_peak(runner) > 0
+        True
     """
     if runner.optimizer is None or state_offload_of(runner.optimizer) is None:
         runner.optimizer_step()

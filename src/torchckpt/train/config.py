@@ -157,7 +157,7 @@ def train_options(*, cli_only: bool = True) -> tuple[TrainOption, ...]:
         >>> [o.flag for o in train_options()][:4]
         ['--budget', '--size', '--model', '--batch-size']
         >>> [o.flag for o in train_options() if o.kind == "switch"]
-        ['--no-save']
+        ['--no-save', '--offload', '--optimizer-offload']
         >>> [o.name for o in train_options(cli_only=False) if not o.cli]
         ['dropout']
     """
