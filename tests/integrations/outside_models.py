@@ -220,3 +220,16 @@ BUILDERS: dict[str, Callable[[], Case]] = {
     "dict_input": dict_input,
 }
 NEEDS = {"unet": "diffusers", "lora_llama": "peft", "sequential_mlp": None, "dict_input": None}  # else transformers
+
+
+def case_for(name: str) -> Case:
+    """The family ``name`` built (seeded), or the test skipped when the library it needs is not installed."""
+    import importlib.util
+
+    import pytest
+
+    package = NEEDS.get(name, "transformers")
+    if package is not None and importlib.util.find_spec(package) is None:
+        pytest.skip(f"{name} needs {package}")
+    torch.manual_seed(0)
+    return BUILDERS[name]()

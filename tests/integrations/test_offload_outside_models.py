@@ -10,13 +10,12 @@ Slow tier (make test-all); tests/planner/test_offload_plans.py checks the same o
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 from typing import Any
 
 import pytest
 import torch
-from outside_models import BUILDERS, NEEDS, Case
+from outside_models import BUILDERS, Case, case_for
 
 import torchckpt
 from torchckpt.models import gpt
@@ -27,11 +26,7 @@ _KINDS = ("plain", "offload", "nothing", "nested")
 
 
 def _case(name: str) -> Case:
-    package = NEEDS.get(name, "transformers")
-    if package is not None and importlib.util.find_spec(package) is None:
-        pytest.skip(f"{name} needs {package}")
-    torch.manual_seed(0)
-    return BUILDERS[name]()
+    return case_for(name)
 
 
 def _option(menu: tuple, kind: str) -> int | None:

@@ -222,6 +222,14 @@ def _t5(width: int, layers: int) -> Callable[[BatchShape], tuple[nn.Module, Inpu
     return make
 
 
+def _labelled_images(shape: BatchShape) -> dict[str, torch.Tensor]:
+    """A batch of random RGB images and labels of 10 classes (an HF image classifier's inputs)."""
+    generator = torch.Generator().manual_seed(0)
+    pixels = torch.randn(shape.batch_size, 3, shape.image_size, shape.image_size, generator=generator)
+    labels = torch.randint(0, 10, (shape.batch_size,), generator=generator)
+    return {"pixel_values": pixels, "labels": labels}
+
+
 def _vit(width: int, layers: int) -> Callable[[BatchShape], tuple[nn.Module, Inputs]]:
     def make(shape: BatchShape) -> tuple[nn.Module, Inputs]:
         transformers = require("transformers", "the hf-* models")
@@ -230,10 +238,7 @@ def _vit(width: int, layers: int) -> Callable[[BatchShape], tuple[nn.Module, Inp
                                         num_attention_heads=max(2, width // 64), intermediate_size=4 * width,
                                         image_size=shape.image_size, patch_size=16)
         config.num_labels = 10
-        generator = torch.Generator().manual_seed(0)
-        pixels = torch.randn(shape.batch_size, 3, shape.image_size, shape.image_size, generator=generator)
-        labels = torch.randint(0, 10, (shape.batch_size,), generator=generator)
-        return transformers.ViTForImageClassification(config), {"pixel_values": pixels, "labels": labels}
+        return transformers.ViTForImageClassification(config), _labelled_images(shape)
     return make
 
 
@@ -244,10 +249,7 @@ def _resnet(hidden: list[int], depths: list[int]) -> Callable[[BatchShape], tupl
         config = transformers.ResNetConfig(num_channels=3, embedding_size=hidden[0], hidden_sizes=hidden,
                                            depths=depths, layer_type="bottleneck")
         config.num_labels = 10
-        generator = torch.Generator().manual_seed(0)
-        pixels = torch.randn(shape.batch_size, 3, shape.image_size, shape.image_size, generator=generator)
-        labels = torch.randint(0, 10, (shape.batch_size,), generator=generator)
-        return transformers.ResNetForImageClassification(config), {"pixel_values": pixels, "labels": labels}
+        return transformers.ResNetForImageClassification(config), _labelled_images(shape)
     return make
 
 
