@@ -231,8 +231,8 @@ def test_optimizer_offload_fits_a_budget_adamw_alone_cannot_and_losses_stay_bitw
     lines: list[str] = []
     try:
         # The floors are measured, not written here: the meter counts every tensor alive in the process, and a
-        # test worker may hold other tests' tensors (CI once measured the floor without the state at 2.74 MiB). Between them: 3.17 MiB
-        # with AdamW's state on the device and 2.16 MiB without, alone in a process.
+        # test worker may hold other tests' tensors (CI once measured 2.74 MiB for the floor without the state).
+        # Alone in a process: 3.17 MiB with AdamW's state on the device and 2.16 MiB without.
         floors = []
         for where, offloaded in (("on-device", False), ("off-device", True)):
             with pytest.raises(InfeasibleBudgetError, match="optimizer state") as told:
