@@ -7,7 +7,8 @@ once without an optimizer (plain SGD: no state):
   pieces of a block nested, with the loss head in chunks, and with both, each as a share of every block's
   measured peak (``gradient_checkpointing_enable()``'s);
 - the plan at the floor with every option, and one step with it measured (``verify_plan``): peak, prediction
-  error, gradients;
+  error, gradients; where the plan takes the work before the first block as a block (planner/stem.py), every
+  block's peak stays that of the repeated blocks found (profiled again with them given);
 - at every block's measured peak: bare training steps, interleaved and timed (median of ``--repeats``):
   no checkpointing, every block checkpointed, and torchckpt's plan for that budget; the share of every block's
   recompute cost won back, (t_every_block - t_plan) / (t_every_block - t_no_checkpointing);
@@ -42,6 +43,7 @@ from torchckpt._units import format_bytes
 from torchckpt.executor import checkpoint_modules
 from torchckpt.models.registry import MODELS as REGISTRY
 from torchckpt.models.registry import load_model
+from torchckpt.planner.blocks import block_paths, resolve_blocks
 from torchckpt.planner.from_costs import floor_over_options
 from torchckpt.planner.runner import StepRunner
 
@@ -85,13 +87,17 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
     start = time.perf_counter()
     costs = torchckpt.profile(model, inputs)
     profile_s = time.perf_counter() - start
-    every = costs.every_block_peak_bytes
+    # "every block" is what a user's one-liner checkpoints: the repeated blocks found, not a stem the plan adds
+    found = resolve_blocks(model, "auto")
+    stem_taken = costs.block_paths[0] not in block_paths(model, found)
+    every = (torchckpt.profile(model, inputs, blocks=found) if stem_taken else costs).every_block_peak_bytes
     floors = {label: _floor(_without(costs, head=head, pieces=pieces)) for label, head, pieces in (
         ("before", False, False), ("pieces nested", False, True), ("loss head in chunks", True, False),
         ("both", True, True))}
     record: dict[str, Any] = {"model": name, "description": REGISTRY[name].description, "profile_s": profile_s,
                               "plain_step_s": costs.step_time_s, "every_block_peak_bytes": every,
                               "plain_head_bytes": costs.head_bytes, "loss_head": costs.loss_head,
+                              "stem": costs.notes.get("stem"),
                               "floors": floors, "floor_share": {k: v / every for k, v in floors.items()}}
     record["at_floor"] = _at_floor(model, inputs, costs, floors["both"])
     sliced = torchckpt.profile(model, inputs, batch_slices=BATCH_SLICES)
@@ -101,10 +107,9 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
     record["at_sliced_floor"] = _at_floor(model, inputs, sliced, floors[f"batch slices ({BATCH_SLICES})"])
     at_every = costs.plan(every)
     runner = StepRunner(model, inputs)
-    blocks = [model.get_submodule(path) for path in costs.block_paths]
     times = _timed(runner, repeats, {
         "no checkpointing": lambda: torch.enable_grad(),
-        "every block": lambda: checkpoint_modules(blocks, policy="nothing_saveable"),
+        "every block": lambda: checkpoint_modules(found, policy="nothing_saveable"),
         "torchckpt": lambda: torchckpt.apply(model, at_every)})
     t_none, t_every, t_plan = (times[k]["median_s"] for k in ("no checkpointing", "every block", "torchckpt"))
     record["at_every_block_peak"] = {"times": times, "plan_predicted_extra_s": at_every.predicted_extra_time_s,
@@ -114,7 +119,9 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
     inside = torchckpt.profile(model, inputs, optimizer=optimizer, optimizer_in_backward=True)
     adamw_sliced = torchckpt.profile(model, inputs, optimizer=optimizer, batch_slices=BATCH_SLICES)
     offloaded = torchckpt.profile(model, inputs, optimizer=optimizer, optimizer_offload=True)
-    record["adamw"] = {"every_block_peak_bytes": adamw.every_block_peak_bytes, "floor_bytes": _floor(adamw),
+    adamw_every = (torchckpt.profile(model, inputs, optimizer=optimizer, blocks=found) if stem_taken
+                   else adamw).every_block_peak_bytes
+    record["adamw"] = {"every_block_peak_bytes": adamw_every, "floor_bytes": _floor(adamw),
                        "floor_in_backward_bytes": _floor(inside), "floor_parts": _floor_parts(adamw),
                        "state_bytes": dict(adamw.state_bytes), "floor_sliced_bytes": _floor(adamw_sliced),
                        "floor_sliced_parts": _floor_parts(adamw_sliced), "floor_offload_bytes": _floor(offloaded),

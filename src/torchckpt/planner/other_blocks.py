@@ -28,7 +28,7 @@ from torchckpt.memory import MemoryMeter
 from torchckpt.planner.blocks import other_groupings
 from torchckpt.planner.runner import StepRunner
 
-__all__ = ["BETTER_BY", "HIGH_SHARE", "MAX_GROUPINGS", "other_blocks_note"]
+__all__ = ["BETTER_BY", "HIGH_SHARE", "MAX_GROUPINGS", "measure_every_block_peak", "other_blocks_note"]
 
 HIGH_SHARE = 0.7  # every block found checkpointed measures above this share of the plain peak: look further
 BETTER_BY = 0.1  # another grouping is named when it measures this share of the plain peak lower
@@ -55,7 +55,7 @@ def other_blocks_note(runner: StepRunner, chosen: Sequence[str], every_block_pea
     model = runner.model
     found = []
     for description, paths in other_groupings(model, chosen)[:MAX_GROUPINGS]:
-        peak = _every_block_peak(runner, [model.get_submodule(path) for path in paths])
+        peak = measure_every_block_peak(runner, [model.get_submodule(path) for path in paths])
         if peak <= every_block_peak - BETTER_BY * plain_peak:
             found.append((peak, description, paths))
     if not found:
@@ -66,7 +66,16 @@ def other_blocks_note(runner: StepRunner, chosen: Sequence[str], every_block_pea
             f"no-checkpointing peak; other blocks measured lower: {shown}")
 
 
-def _every_block_peak(runner: StepRunner, blocks: list[nn.Module]) -> int:
+def measure_every_block_peak(runner: StepRunner, blocks: list[nn.Module]) -> int:
+    """The measured peak of one step with every one of ``blocks`` checkpointed, keeping nothing; the int64
+    maximum where the model cannot run so (no advice comes of it). Gradients are cleared before and after.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> runner = StepRunner(model, (torch.ones(2, 4),), loss_fn=lambda output: output.sum())
+        >>> 0 < measure_every_block_peak(runner, list(model)) < torch.iinfo(torch.int64).max
+        True
+    """
     runner.clear_grads()
     try:
         with checkpoint_modules(blocks, policy="nothing_saveable"), MemoryMeter(runner.device) as meter:

@@ -106,6 +106,7 @@ from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
 from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step, time_scale, timed_step
 from torchckpt.planner.repeat import plain_only, unrepeatable_blocks
 from torchckpt.planner.runner import StepFn, StepRunner
+from torchckpt.planner.stem import stem_choice
 
 __all__ = ["profile", "HEADROOM_BYTES", "HEADROOM_FRACTION"]
 
@@ -220,6 +221,14 @@ def profile(
             runner.clear_grads()
             phase("profiling again, with the blocks in the order they ran")
             costs = _measure_costs(runner, block_list, progress, regions_off, group, options)
+        if isinstance(blocks, str) and group is None:  # stem.py's [a stem is taken only where it measures lower]
+            stem, stem_note = stem_choice(runner, block_list, costs)
+            if stem is not None:
+                block_list = [stem, *block_list]
+                phase("profiling again, with the stem as the first block")
+                costs = _measure_costs(runner, block_list, progress, regions_off, group, options)
+            if stem_note is not None:
+                costs = replace(costs, notes={**costs.notes, "stem": stem_note})
         costs = measure_offload(runner, block_list, costs, phases_to(progress), group, **offload_options)  # type: ignore[arg-type]
         if isinstance(blocks, str) and group is None:  # other_blocks.py's [a much lower floor elsewhere is named]
             plain, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))

@@ -1,0 +1,151 @@
+"""The stem: the work before the first block, taken as a block where that lowers every block's peak.
+
+Rules:
+
+1. **[the stem makes the first block's input]** The blocks ``"auto"`` finds are a model's repeated layers;
+   what runs before the first of them (a CNN's stem of convolution, normalisation and pooling; a ViT's patch
+   embedding) is outside every plan, and its saved activations count as fixed: on an HF ResNet at batch 32,
+   86 MiB of a 151 MiB floor. The stem is the outermost module that returns the tensor the first block takes
+   as its first input, found in one forward pass without gradients stopped at the first block, and that is
+   neither a block, nor inside one, nor holds one (nor the model itself). Its output is the first block's
+   input, so the blocks still form a chain with it in front.
+2. **[a stem is taken only where it measures lower]** The profiler looks for a stem only where what lives
+   outside the blocks as the first block starts, beyond parameters and optimizer state, is at least
+   ``LOOK_SHARE`` of the plain peak (decoders, whose embedding saves only token ids, never pay for the look);
+   it then measures two steps, every block checkpointed without and with the stem, and takes the stem only
+   where the second measures at least ``TAKE_SHARE`` of the plain peak lower and the stem repeats (repeat.py's
+   [a block is recomputed only if it repeats]). The blocks are then profiled again with the stem first, and
+   the costs' notes say so (``notes["stem"]``), or why it was not taken. Only for ``blocks="auto"``: blocks
+   given by hand are the user's whole choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from torchckpt._progress import phase
+from torchckpt.planner import solve as solver
+from torchckpt.planner.blocks import block_paths
+from torchckpt.planner.from_costs import ChainCosts, no_checkpointing_schedule
+from torchckpt.planner.other_blocks import measure_every_block_peak
+from torchckpt.planner.repeat import unrepeatable_blocks
+from torchckpt.planner.runner import StepRunner, call_model
+
+__all__ = ["LOOK_SHARE", "TAKE_SHARE", "find_stem", "stem_choice"]
+
+LOOK_SHARE = 0.05  # of the plain peak: what must live outside the blocks for a stem to be looked for
+TAKE_SHARE = 0.02  # of the plain peak: how much lower every block's peak must measure with the stem to take it
+
+
+class _Reached(Exception):
+    """Raised by the first block's pre-hook: the forward pass has gone as far as the stem search needs."""
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    return next((leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)), None)
+
+
+def find_stem(runner: StepRunner, blocks: Sequence[nn.Module]) -> str | None:
+    """The path of the stem ([the stem makes the first block's input]), or None when no module outside the
+    blocks returns the first block's first input. Runs the model's forward pass without gradients up to the
+    first block (the loop's own step when ``runner`` has a ``step_fn``).
+
+    Example:
+        >>> stem = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        >>> model = nn.Sequential(stem, nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> find_stem(StepRunner(model, (torch.ones(2, 4),)), [model[1], model[2]])
+        '0'
+    """
+    if not blocks:
+        raise ValueError("find_stem needs the blocks, in forward order; got none")
+    model = runner.model
+    inside = block_paths(model, blocks)
+
+    def outside(path: str) -> bool:
+        return bool(path) and not any(path == block or path.startswith(f"{block}.") or block.startswith(f"{path}.")
+                                      for block in inside)
+
+    made: dict[int, str] = {}  # id of a module's output -> the outermost module that returned it
+    kept: list[torch.Tensor] = []  # alive until the search ends, so no id is reused
+    first: list[torch.Tensor] = []
+
+    def after(path: str) -> Any:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            tensor = _first_tensor(output)
+            if tensor is not None:
+                kept.append(tensor)
+                made[id(tensor)] = path  # an outer module's hook runs after its children's: the outermost wins
+        return hook
+
+    def reached(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        tensor = _first_tensor((args, kwargs))
+        if tensor is not None:
+            first.append(tensor)
+        raise _Reached
+
+    handles = [module.register_forward_hook(after(path)) for path, module in model.named_modules() if outside(path)]
+    handles.append(blocks[0].register_forward_pre_hook(reached, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            if runner.step_fn is not None:
+                runner.step_fn(model, runner.example_inputs)
+            else:
+                call_model(model, runner.example_inputs)
+    except _Reached:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return made.get(id(first[0])) if first else None
+
+
+def stem_choice(runner: StepRunner, blocks: Sequence[nn.Module],
+                costs: ChainCosts) -> tuple[nn.Module | None, str | None]:
+    """``(stem, note)`` by [a stem is taken only where it measures lower]: the stem module to put before the
+    blocks, or None; the note for the costs (``notes["stem"]``), None where no stem was looked for.
+    ``costs`` are the blocks' own, measured: their plain peak, and what lives outside the blocks beyond
+    parameters and optimizer state as the first block starts (``fixed_bytes`` less those). Runs up to four
+    passes (the search, two measured steps, the repeat check); the caller restores the model's state
+    and the RNG streams (``preserved_state``) and clears the gradients.
+
+    Example:
+        >>> from torchckpt.planner.profile import profile
+        >>> def block() -> nn.Module:
+        ...     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+        >>> stem = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64))
+        >>> model = nn.Sequential(stem, *[block() for _ in range(4)])
+        >>> batch, loss_fn, blocks = (torch.ones(256, 64),), lambda output: output.sum(), list(model)[1:]
+        >>> costs = profile(model, batch, blocks=blocks, loss_fn=loss_fn)
+        >>> taken, note = stem_choice(StepRunner(model, batch, loss_fn=loss_fn), blocks, costs)
+        >>> taken is stem
+        True
+        >>> for part in note.split(": "):
+        ...     print(part)
+        0 taken as the first block
+        every block checkpointed measured 77% of the no-checkpointing peak with it, 83% without
+    """
+    plain_peak = int(solver.evaluate(costs, no_checkpointing_schedule(costs))[0])
+    state = runner.state_bytes()  # gradients are not alive where fixed_bytes is read, the first block's start
+    if plain_peak <= 0 or costs.fixed_bytes - state["parameters"] - state["optimizer_state"] < LOOK_SHARE * plain_peak:
+        return None, None
+    phase("checking whether the work before the first block lowers the peak as a block")
+    path = find_stem(runner, blocks)
+    if path is None:
+        return None, None
+    stem = runner.model.get_submodule(path)
+    without = measure_every_block_peak(runner, list(blocks))
+    with_stem = measure_every_block_peak(runner, [stem, *blocks])
+    measured = (f"every block checkpointed measured {with_stem / plain_peak:.0%} of the no-checkpointing peak with "
+                f"it, {without / plain_peak:.0%} without")
+    if with_stem > without - TAKE_SHARE * plain_peak:
+        return None, f"{path} (before the first block) not taken: {measured}"
+    why = unrepeatable_blocks(runner, [stem]).get(0)
+    runner.clear_grads()
+    if why is not None:
+        return None, f"{path} (before the first block) not taken: recomputing it would differ ({why})"
+    return stem, f"{path} taken as the first block: {measured}"
