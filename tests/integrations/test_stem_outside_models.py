@@ -1,0 +1,64 @@
+"""Issue 27, item 2 on models nobody here wrote: with ``blocks="auto"`` the profiler may take the work before the
+first block as a block (planner/stem.py); whatever it decides, the plan at the floor measures within its budget
+and computes the gradients and buffers of no checkpointing, bitwise, and a stem it takes lowers every block's
+measured peak."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from outside_models import case_for
+
+import torchckpt
+from torchckpt.planner import InfeasibleBudgetError
+from torchckpt.planner.blocks import block_paths, resolve_blocks
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("name", ["resnet", "convnext", "vit", "unet", "sequential_mlp", "dict_input"])
+def test_auto_blocks_with_or_without_a_stem_plan_within_budget_and_bitwise(name: str) -> None:
+    case = case_for(name)
+    model = case.model
+    found = block_paths(model, resolve_blocks(model, "auto"))
+    costs = torchckpt.profile(model, case.inputs, loss_fn=case.loss_fn)
+    note = costs.notes.get("stem", "")
+    if list(costs.block_paths) != found:  # a stem taken: exactly one block more, first, and said so
+        assert list(costs.block_paths[1:]) == found and note.startswith(f"{costs.block_paths[0]} taken"), note
+    else:
+        assert not note.startswith(f"{costs.block_paths[0]} taken"), note
+    with pytest.raises(InfeasibleBudgetError) as told:
+        costs.plan(1)
+    plan = costs.plan(told.value.floor_bytes)
+    report = torchckpt.verify_plan(model, plan, case.inputs, loss_fn=case.loss_fn)
+    assert report.within_budget, report
+    assert report.gradients_equal and report.buffers_equal, (report, report.first_differing_buffer)
+    assert report.max_gradient_difference == 0.0 or report.rounding_only, report
+
+
+def test_the_stem_of_a_resnet_at_full_resolution_is_taken_and_lowers_the_floor() -> None:
+    """An HF ResNet of bottleneck blocks whose stem (7x7 convolution, BatchNorm, max-pooling at 128 px) holds its
+    full-resolution activations through every block's backward pass (every block checkpointed: 73% of the
+    no-checkpointing peak without the stem, 50% with it, when written)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs transformers")
+    import transformers
+
+    config = transformers.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[32, 64], depths=[2, 2],
+                                       layer_type="bottleneck", num_labels=10)
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(config).train()
+    inputs = {"pixel_values": torch.randn(4, 3, 128, 128, generator=torch.Generator().manual_seed(0)),
+              "labels": torch.tensor([1, 2, 3, 4])}
+    costs = torchckpt.profile(model, inputs)
+    assert costs.block_paths[0] == "resnet.embedder", costs.notes.get("stem")
+    with pytest.raises(InfeasibleBudgetError) as by_hand:
+        torchckpt.plan(model, inputs, 1, blocks=resolve_blocks(model, "auto"))
+    with pytest.raises(InfeasibleBudgetError) as told:
+        costs.plan(1)
+    assert told.value.floor_bytes < by_hand.value.floor_bytes
+    report = torchckpt.verify_plan(model, costs.plan(told.value.floor_bytes), inputs)
+    assert report.within_budget and report.gradients_equal and report.buffers_equal, report
+    assert report.max_gradient_difference == 0.0, report
