@@ -44,17 +44,12 @@ def test_at_its_floor_a_whole_step_holds_and_matches_the_plain_one(name: str) ->
     assert report.within_budget and report.gradients_equal and report.buffers_equal, report.table()
     assert not optimizer.state  # verify_plan and profile leave the optimizer as they found it
 
-    plain = _adamw(twin)
-    reference = StepRunner(twin, case.inputs, case.loss_fn)
-    for step in range(2):
-        torch.manual_seed(step)  # the same dropout masks in both runs
-        reference.forward_backward()
-        plain.step()
-        plain.zero_grad()
+    # The planned steps first: the meter counts every tensor alive in the process, and the twin held only its
+    # parameters while profiling (its gradients and AdamW state, made by the reference steps, come after).
     runner = StepRunner(case.model, case.inputs, case.loss_fn)
     with torchckpt.apply(case.model, plan, optimizer=optimizer):
         for step in range(2):
-            torch.manual_seed(step)
+            torch.manual_seed(step)  # the same dropout masks in both runs
             with MemoryMeter() as meter:
                 loss = runner.forward_backward()  # kept through the step, as a loop that logs it
                 optimizer.step()
@@ -62,6 +57,13 @@ def test_at_its_floor_a_whole_step_holds_and_matches_the_plain_one(name: str) ->
             del loss
             assert meter.peak_bytes <= plan.predicted_peak_bytes, (meter.peak_bytes, plan.predicted_peak_bytes)
         assert all(is_host_tensor(v) for state in optimizer.state.values() for v in state.values() if v.dim() > 0)
+    plain = _adamw(twin)
+    reference = StepRunner(twin, case.inputs, case.loss_fn)
+    for step in range(2):
+        torch.manual_seed(step)
+        reference.forward_backward()
+        plain.step()
+        plain.zero_grad()
     pairs = list(zip(case.model.parameters(), twin.parameters()))
     assert all(torch.equal(p, q) for p, q in pairs)
     assert all(torch.equal(b, c) for b, c in zip(case.model.buffers(), twin.buffers()))

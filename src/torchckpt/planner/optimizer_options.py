@@ -2,8 +2,10 @@
 
 Rule: **[the optimizer step's peak is measured with its state offloaded]** With ``optimizer_offload=True`` the
 optimizer's step brings each parameter's state to the device in turn (executor/optimizer_offload.py), beside every
-gradient. The profiler measures that step under the meter (the one after its first measured step), with a scalar
-alive beside it as a loop keeps its loss through the step to log it, and raises the costs' backward-end peak
+gradient. The profiler measures that step under the meter (the one after its first measured step; where that step
+makes the state, a second on the same gradients too, which brings it, and takes the larger), with the storage of
+the step's loss alive beside it as a loop keeps its loss through the step to log it (a scalar, which can be a view
+of a larger reduction buffer), and raises the costs' backward-end peak
 (costs.py's [backward-end peak], ``tail_bytes``) to it, so every plan's predicted peak and the floor include it;
 the measured peak of checkpointing every block (costs.py's [measured schedules are predicted as measured]), taken
 over the forward and backward passes alone, is raised to it too. Without the option the step is not measured (with
@@ -99,11 +101,21 @@ def optimizer_step_peak(runner: StepRunner) -> int | None:
         ...     optimizer_step_peak(runner) > 0
         True
     """
-    if runner.optimizer is None or state_offload_of(runner.optimizer) is None:
+    optimizer = runner.optimizer
+    if optimizer is None or state_offload_of(optimizer) is None:
         runner.optimizer_step()
         return None
-    with MemoryMeter(runner.device) as meter:
-        loss = torch.zeros((), device=runner.device)  # a loop keeps its loss (a scalar) through the step, to log it
-        runner.optimizer_step()
-        del loss
-    return meter.peak_bytes
+    # The first step makes the state and later ones bring it to the device (its step counters too, 8 bytes more
+    # on a small MLP): with the state yet to be made, both are measured, on the same gradients.
+    missing = any(p.grad is not None and not optimizer.state.get(p) for group in optimizer.param_groups
+                  for p in group["params"])
+    peaks = []
+    for _ in range(2 if missing else 1):
+        with MemoryMeter(runner.device) as meter:
+            # a loop keeps its loss through the step, to log it: a scalar, with the storage it holds
+            loss = torch.empty(max(runner.loss_bytes, 4), dtype=torch.uint8, device=runner.device)
+            optimizer.step()
+            del loss
+        peaks.append(meter.peak_bytes)
+    runner.clear_grads()
+    return max(peaks)

@@ -167,6 +167,9 @@ class StepRunner:
     step_fn: StepFn | None = None
     micro_batches: int = 1
     _grad_params: list[nn.Parameter] = field(default_factory=list, init=False, repr=False)
+    # the bytes of the storage the last step's loss holds: a scalar, but it can be a view of a larger reduction
+    # buffer (256 bytes for an MSE loss of 64 values), which a loop that keeps its loss keeps through the step
+    loss_bytes: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_micro_batches(self.micro_batches)
@@ -200,6 +203,7 @@ class StepRunner:
         del output
         loss.backward()
         self._note_grads()
+        self.loss_bytes = loss.untyped_storage().nbytes()
         return loss.detach()
 
     def _note_grads(self) -> None:
@@ -215,7 +219,10 @@ class StepRunner:
             raise ValueError("step_fn left no gradient in the model's parameters: it must call loss.backward() "
                              "itself (and neither step an optimizer nor zero the gradients)")
         self._note_grads()
-        return result.detach() if isinstance(result, torch.Tensor) else None
+        if not isinstance(result, torch.Tensor):
+            return None
+        self.loss_bytes = result.untyped_storage().nbytes() if result.device.type != "meta" else 0
+        return result.detach()
 
     def clear_grads(self) -> None:
         """Drop gradients (``set_to_none``), as a training loop does between steps; with ``micro_batches`` > 1,
