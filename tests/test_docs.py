@@ -88,3 +88,14 @@ def test_planner_md_offload_example_runs_as_written(tmp_path: Path, monkeypatch:
     assert plan.offload and "offloaded to host" in str(plan)
     assert report.within_budget and report.gradients_equal and report.buffers_equal
     assert report.measured_host_peak_bytes == report.predicted_host_peak_bytes > 0
+
+
+def test_planner_md_stem_example_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/planner.md's stem example: the work before the first block is planned as a block, and says so."""
+    section = (DOCS / "planner.md").read_text().split("## The stem: the work before the first block", 1)[1]
+    block = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(block, str(DOCS / "planner.md"), "exec"), namespace)  # noqa: S102 - our own docs
+    costs = namespace["costs"]
+    assert costs.block_paths[0] == "stem" and costs.notes["stem"].startswith("stem taken as the first block")
