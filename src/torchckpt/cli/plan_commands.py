@@ -119,7 +119,6 @@ def _check_before_profiling(args: argparse.Namespace, action: str) -> None:
 
 def _profiled(args: argparse.Namespace, action: str) -> Any:
     from torchckpt.planner import (
-        block_paths,
         fingerprint,
         frontier_from_costs,
         plan_from_costs,
@@ -135,12 +134,13 @@ def _profiled(args: argparse.Namespace, action: str) -> Any:
         model, batch = load_model(args.model, shape, seed=args.seed)
     except (ImportError, SyntaxError) as error:  # the user's file: one line, as for --loss
         raise CommandLineError(f"--model {args.model}: importing failed: {type(error).__name__}: {error}") from None
-    blocks = resolve_blocks(model, select_blocks(model, args.blocks) if args.blocks else "auto")
+    # "auto" itself, not the blocks it finds: the profile may put the stem before them (planner/stem.py)
+    blocks = resolve_blocks(model, select_blocks(model, args.blocks)) if args.blocks else "auto"
     with reported(f"torchckpt {action}: {args.model}"):  # each phase, block and solving, on stderr
         costs = profile(model, batch, blocks=blocks, loss_fn=loss_fn, step_fn=step_fn, batch_slices=args.batch_slices,
                         offload=args.offload, host_budget=args.host_budget)
         phase("solving")
-        paths = block_paths(model, blocks)
+        paths = list(costs.block_paths)
         identity = fingerprint(model, batch, paths)
         front = None
         if action == "frontier" or args.plot:

@@ -225,9 +225,9 @@ def plan_from_costs(costs: CostModel, budget: int | str, *, block_paths: Sequenc
     menus = [solver.block_menu(block) for block in option.blocks]
     applied = solver.schedule_margin_bytes(option, solution.schedule, margin_bytes)
     notes = {} if no_regions is None or len(costs.blocks) < 2 else {"regions": no_regions}
-    # repeat.py's, other_blocks.py's, batch_slices.py's notes; and planner/layout.py's [a plan names the layout it
-    # was made for] (the engine and ranks agreed by planner/distributed.py)
-    for name in ("not recomputed", "other blocks", "batch slices", "engine", "ranks", "offload"):
+    # repeat.py's, other_blocks.py's, stem.py's, batch_slices.py's notes; and planner/layout.py's [a plan names the
+    # layout it was made for] (the engine and ranks agreed by planner/distributed.py)
+    for name in ("not recomputed", "other blocks", "stem", "batch slices", "engine", "ranks", "offload"):
         if name in costs.notes:
             notes[name] = costs.notes[name]
     head_note = loss_head_note(costs, chosen=bool(head))
