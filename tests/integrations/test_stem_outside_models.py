@@ -62,3 +62,29 @@ def test_the_stem_of_a_resnet_at_full_resolution_is_taken_and_lowers_the_floor()
     report = torchckpt.verify_plan(model, costs.plan(told.value.floor_bytes), inputs)
     assert report.within_budget and report.gradients_equal and report.buffers_equal, report
     assert report.max_gradient_difference == 0.0, report
+
+
+def test_a_mobilenet_stem_is_planned_without_regions_and_holds_its_prediction() -> None:
+    """HF MobileNetV2: its stem taken, a region over it (its input the batch) measured 7% over its prediction; the
+    stem is planned in single blocks only, and plans at and above the floor measure what they predict."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs transformers")
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MobileNetV2Config(image_size=64, depth_multiplier=0.35, num_labels=10)
+    model = transformers.MobileNetV2ForImageClassification(config).train()
+    inputs = {"pixel_values": torch.randn(4, 3, 96, 96, generator=torch.Generator().manual_seed(0)),
+              "labels": torch.tensor([1, 2, 3, 4])}
+    costs = torchckpt.profile(model, inputs)
+    assert costs.block_paths[0] == "mobilenet_v2.conv_stem", costs.notes.get("stem")
+    assert costs.notes["regions"].startswith("off: the stem"), costs.notes
+    with pytest.raises(InfeasibleBudgetError) as told:
+        costs.plan(1)
+    for budget in (told.value.floor_bytes, int(1.1 * told.value.floor_bytes)):
+        plan = costs.plan(budget)
+        report = torchckpt.verify_plan(model, plan, inputs)
+        assert report.measured_peak_bytes <= plan.predicted_peak_bytes <= budget, report
+        assert report.gradients_equal and report.buffers_equal and report.max_gradient_difference == 0.0, report

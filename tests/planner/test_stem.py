@@ -118,3 +118,46 @@ def test_a_decoder_does_not_pay_for_the_look() -> None:
     model = gpt("tiny", dropout=0.0)
     costs = torchckpt.profile(model, model.example_batch(batch_size=2, seq_len=32))
     assert costs.block_paths[0] == "blocks.0" and "stem" not in costs.notes, costs.notes
+
+
+class Reused(nn.Module):
+    """A stem called again after the blocks (T5 runs its dropout before and after them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64))
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)) for _ in range(4))
+        self.pre = nn.Identity()  # hands the stem's output on: not the stem
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pre(self.stem(x))
+        for layer in self.layers:
+            x = layer(input=x)  # by keyword
+        return self.stem(x)
+
+
+def test_a_stem_called_twice_is_not_taken_and_the_search_reads_the_outermost_module_and_keywords() -> None:
+    torch.manual_seed(0)
+    model = Reused()
+    batch = (torch.ones(256, 64),)
+    assert find_stem(StepRunner(model, batch, loss_fn=lambda out: out.sum()), list(model.layers)) == "stem"
+    costs = torchckpt.profile(model, batch, loss_fn=lambda out: out.sum())
+    assert costs.block_paths[0] == "layers.0", costs.notes
+    assert costs.notes["stem"] == "stem (before the first block) not taken: it ran 2 times in one step", costs.notes
+
+
+def test_a_loop_that_catches_exceptions_does_not_catch_the_search() -> None:
+    def step(model: nn.Module, inputs: tuple) -> torch.Tensor:
+        try:
+            loss = _loss(model(*inputs))
+        except Exception as error:  # noqa: BLE001 - a loop that wraps every error
+            raise RuntimeError("the forward pass failed") from error
+        loss.backward()
+        return loss
+
+    torch.manual_seed(0)
+    model = StemNet()
+    costs = torchckpt.profile(model, _batch(), step_fn=step)  # the repeat check of the BatchNorm stem inside a step
+    assert costs.block_paths[0] == "stem", costs.notes
+    report = torchckpt.verify_plan(model, costs.plan(int(1.05 * costs.every_block_peak_bytes)), _batch(), step_fn=step)
+    assert report.within_budget and report.gradients_equal and report.buffers_equal, report

@@ -106,7 +106,7 @@ from torchckpt.planner.plan import PlannedBlock, PlannedRegion, fingerprint
 from torchckpt.planner.probe import BlockOrderError, Probe, block_times, measure_step, time_scale, timed_step
 from torchckpt.planner.repeat import plain_only, unrepeatable_blocks
 from torchckpt.planner.runner import StepFn, StepRunner
-from torchckpt.planner.stem import stem_choice
+from torchckpt.planner.stem import STEM_REGIONS, stem_choice
 
 __all__ = ["profile", "HEADROOM_BYTES", "HEADROOM_FRACTION"]
 
@@ -224,7 +224,7 @@ def profile(
         if isinstance(blocks, str) and group is None:  # stem.py's [a stem is taken only where it measures lower]
             stem, stem_note = stem_choice(runner, block_list, costs)
             if stem is not None:
-                block_list = [stem, *block_list]
+                block_list, regions_off = [stem, *block_list], regions_off or STEM_REGIONS
                 phase("profiling again, with the stem as the first block")
                 costs = _measure_costs(runner, block_list, progress, regions_off, group, options)
             if stem_note is not None:
@@ -234,7 +234,8 @@ def profile(
             plain, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
             peak = costs.every_block_peak_bytes
             phase("checking whether another grouping of blocks has a much lower floor")
-            other = other_blocks_note(runner, costs.block_paths, peak, int(plain), costs.fixed_bytes)
+            found = costs.block_paths[1:] if stem is not None else costs.block_paths  # the groupings beside these
+            other = other_blocks_note(runner, found, peak, int(plain), costs.fixed_bytes)
             if other is not None:
                 costs = replace(costs, notes={**costs.notes, "other blocks": other})
         costs = replace(costs, state_bytes=runner.state_bytes())  # the optimizer's state exists by now

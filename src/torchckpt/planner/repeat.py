@@ -25,6 +25,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -89,9 +90,13 @@ def _before(i: int, checked: set[int], found: dict[int, str], handles: list[Any]
             if _reason(start, end, versions, written) is None:  # nothing that recomputation would not replay
                 return
             RngSnapshot(cpu=start.cpu, cuda=start.cuda).restore()  # torch's streams only, as recomputation does
-            try:
-                with UndoOuterWrites(), torch.no_grad():
-                    again = module.forward(*args, **kwargs)
+            try:  # its writes undone, and their version counters with them: with a step_fn this pass is a training
+                # step, and autograd checks the versions of what it saved (a BatchNorm's running statistics)
+                with contextlib.ExitStack() as kept:
+                    for tensor in [*module.parameters(), *module.buffers()]:
+                        kept.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
+                    with UndoOuterWrites(), torch.no_grad():
+                        again = module.forward(*args, **kwargs)
             except Exception as error:  # noqa: BLE001 - any failure to run again is a reason not to recompute
                 found[i] = f"run again from the same inputs, its forward raised {type(error).__name__}: {error}"
                 return

@@ -203,8 +203,14 @@ class StepRunner:
         del output
         loss.backward()
         self._note_grads()
-        self.loss_bytes = loss.untyped_storage().nbytes()
+        self.loss_bytes = self._kept_bytes(loss)
         return loss.detach()
+
+    def _kept_bytes(self, loss: torch.Tensor) -> int:
+        """The bytes of the step's device memory a loop that keeps ``loss`` keeps (its storage's), or 0."""
+        if loss.layout != torch.strided or loss.device != self.device:
+            return 0
+        return loss.untyped_storage().nbytes()
 
     def _note_grads(self) -> None:
         if self.micro_batches > 1:
@@ -221,7 +227,7 @@ class StepRunner:
         self._note_grads()
         if not isinstance(result, torch.Tensor):
             return None
-        self.loss_bytes = result.untyped_storage().nbytes() if result.device.type != "meta" else 0
+        self.loss_bytes = self._kept_bytes(result)
         return result.detach()
 
     def clear_grads(self) -> None:
