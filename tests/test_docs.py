@@ -59,16 +59,22 @@ def test_train_md_commands_run_as_written(tmp_path: Path) -> None:
     assert "step-000000006" not in outputs[0] and all(f"{s}" in outputs[2] for s in (2, 4, 6))
 
 
+def _run_planner_md_section(heading: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Run the first Python block under ``heading`` of docs/planner.md in ``tmp_path``; its namespace."""
+    section = (DOCS / "planner.md").read_text().split(heading, 1)[1]
+    block = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(block, str(DOCS / "planner.md"), "exec"), namespace)  # noqa: S102 - our own docs
+    return namespace
+
+
 @pytest.mark.slow  # 31 s: profiles an HF Llama with a 32k head; the loss head is planned in the fast tier
 # (tests/planner/test_loss_head_plans.py)
 def test_planner_md_loss_head_example_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/planner.md's "The loss head in chunks" example: half of every block's peak, the head chunked."""
     pytest.importorskip("transformers")
-    section = (DOCS / "planner.md").read_text().split("## The loss head in chunks", 1)[1]
-    block = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)[0]
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    exec(compile(block, str(DOCS / "planner.md"), "exec"), namespace)  # noqa: S102 - our own docs
+    namespace = _run_planner_md_section("## The loss head in chunks", tmp_path, monkeypatch)
     plan = namespace["plan"]
     assert plan.loss_head == {"path": "lm_head", "chunk_tokens": 256}
     report = namespace["torchckpt"].verify_plan(namespace["model"], plan, namespace["batch"])
@@ -79,11 +85,7 @@ def test_planner_md_loss_head_example_runs_as_written(tmp_path: Path, monkeypatc
 # (tests/planner/test_offload_plans.py)
 def test_planner_md_offload_example_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/planner.md's offload example: a plan at every block's peak that offloads, verified bitwise."""
-    section = (DOCS / "planner.md").read_text().split("## Offload: keep, recompute, or move to host memory", 1)[1]
-    block = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)[0]
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    exec(compile(block, str(DOCS / "planner.md"), "exec"), namespace)  # noqa: S102 - our own docs
+    namespace = _run_planner_md_section("## Offload: keep, recompute, or move to host memory", tmp_path, monkeypatch)
     plan, report = namespace["plan"], namespace["report"]
     assert plan.offload and "offloaded to host" in str(plan)
     assert report.within_budget and report.gradients_equal and report.buffers_equal
@@ -92,10 +94,6 @@ def test_planner_md_offload_example_runs_as_written(tmp_path: Path, monkeypatch:
 
 def test_planner_md_stem_example_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/planner.md's stem example: the work before the first block is planned as a block, and says so."""
-    section = (DOCS / "planner.md").read_text().split("## The stem: the work before the first block", 1)[1]
-    block = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)[0]
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {}
-    exec(compile(block, str(DOCS / "planner.md"), "exec"), namespace)  # noqa: S102 - our own docs
+    namespace = _run_planner_md_section("## The stem: the work before the first block", tmp_path, monkeypatch)
     costs = namespace["costs"]
     assert costs.block_paths[0] == "stem" and costs.notes["stem"].startswith("stem taken as the first block")
