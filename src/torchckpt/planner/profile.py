@@ -239,7 +239,7 @@ def profile(
             if other is not None:
                 costs = replace(costs, notes={**costs.notes, "other blocks": other})
         costs = replace(costs, state_bytes=runner.state_bytes())  # the optimizer's state exists by now
-    if skipping is not None and "regions" not in costs.notes:  # layerdrop.py's [every block runs while measuring]
+    if skipping is not None and costs.notes.get("regions") in (None, STEM_REGIONS):  # layerdrop.py's rule, named
         costs = replace(costs, notes={**costs.notes, "regions": skipping})
     costs = plain_only(costs, {i: unrepeatable[id(block)] for i, block in enumerate(block_list)
                                if id(block) in unrepeatable})

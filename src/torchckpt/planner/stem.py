@@ -10,7 +10,7 @@ Rules:
    neither a block, nor inside one, nor holds one (nor the model itself). Its output is the first block's
    input, so the blocks still form a chain with it in front.
 2. **[a stem is taken only where it measures lower]** The profiler looks for a stem only where what lives
-   outside the blocks as the first block starts, beyond parameters and optimizer state, is at least
+   outside the blocks as the first block starts, beyond parameters, optimizer state and the batch, is at least
    ``LOOK_SHARE`` of the plain peak (decoders, whose embedding saves only token ids, never pay for the look);
    it then measures two steps, every block checkpointed without and with the stem, and takes the stem only
    where the second measures at least ``TAKE_SHARE`` of the plain peak lower and the stem repeats (repeat.py's
@@ -145,6 +145,9 @@ def stem_choice(runner: StepRunner, blocks: Sequence[nn.Module],
     outside = costs.fixed_bytes - state["parameters"] - state["optimizer_state"]  # when a micro-batch's came first
     if runner.micro_batches > 1:
         outside -= state["gradients"]
+    batch = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tree_flatten(runner.example_inputs)[0]
+             if isinstance(t, torch.Tensor) and t.device == runner.device and t.layout == torch.strided}
+    outside -= sum(batch.values())  # the batch lives through the step whatever the plan
     if plain_peak <= 0 or outside < LOOK_SHARE * plain_peak:
         return None, None
     phase("checking whether the work before the first block lowers the peak as a block")
