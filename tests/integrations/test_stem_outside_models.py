@@ -88,3 +88,48 @@ def test_a_mobilenet_stem_is_planned_without_regions_and_holds_its_prediction() 
         report = torchckpt.verify_plan(model, plan, inputs)
         assert report.measured_peak_bytes <= plan.predicted_peak_bytes <= budget, report
         assert report.gradients_equal and report.buffers_equal and report.max_gradient_difference == 0.0, report
+
+
+def _vision(name: str) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    t = transformers
+    configs = {  # small configurations of HF vision families with a stem, a patch embedding or neither
+        "regnet": lambda: t.RegNetForImageClassification(t.RegNetConfig(
+            embedding_size=16, hidden_sizes=[16, 32], depths=[2, 2], groups_width=8, num_labels=10)),
+        "mobilenetv2": lambda: t.MobileNetV2ForImageClassification(t.MobileNetV2Config(
+            image_size=64, depth_multiplier=0.35, num_labels=10)),
+        "efficientnet": lambda: t.EfficientNetForImageClassification(t.EfficientNetConfig(
+            image_size=64, width_coefficient=0.25, depth_coefficient=0.3, hidden_dim=320, num_labels=10)),
+        "swin": lambda: t.SwinForImageClassification(t.SwinConfig(
+            image_size=64, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4, num_labels=10)),
+        "convnextv2": lambda: t.ConvNextV2ForImageClassification(t.ConvNextV2Config(
+            hidden_sizes=[16, 32], depths=[2, 2], num_stages=2, num_labels=10)),
+        "bit": lambda: t.BitForImageClassification(t.BitConfig(
+            embedding_size=16, hidden_sizes=[32, 64], depths=[1, 1], layer_type="bottleneck", num_groups=8,
+            num_labels=10)),
+        "mobilevit": lambda: t.MobileViTForImageClassification(t.MobileViTConfig(
+            image_size=64, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64], num_labels=10)),
+        "poolformer": lambda: t.PoolFormerForImageClassification(t.PoolFormerConfig(
+            hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1], num_labels=10)),
+        "levit": lambda: t.LevitForImageClassification(t.LevitConfig(
+            image_size=96, hidden_sizes=[32, 48, 64], num_attention_heads=[2, 2, 2], depths=[1, 1, 1],
+            key_dim=[8, 8, 8], num_labels=10)),
+    }
+    torch.manual_seed(0)
+    return configs[name]().train()
+
+
+@pytest.mark.slow  # ~4 min: nine HF vision families profiled and verified; the fast tier covers ResNet, MobileNetV2
+@pytest.mark.parametrize("name", ["regnet", "mobilenetv2", "efficientnet", "swin", "convnextv2", "bit", "mobilevit",
+                                  "poolformer", "levit"])
+def test_hf_vision_families_plan_exactly_at_their_floor_with_or_without_a_stem(name: str) -> None:
+    model = _vision(name)
+    inputs = {"pixel_values": torch.randn(4, 3, 96, 96, generator=torch.Generator().manual_seed(0)),
+              "labels": torch.tensor([1, 2, 3, 4])}
+    costs = torchckpt.profile(model, inputs)
+    with pytest.raises(InfeasibleBudgetError) as told:
+        costs.plan(1)
+    plan = costs.plan(told.value.floor_bytes)
+    report = torchckpt.verify_plan(model, plan, inputs)
+    assert report.measured_peak_bytes <= plan.predicted_peak_bytes <= told.value.floor_bytes, (report, costs.notes)
+    assert report.gradients_equal and report.buffers_equal and report.max_gradient_difference == 0.0, report

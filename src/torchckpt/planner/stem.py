@@ -9,10 +9,11 @@ Rules:
    as its first input, found in one forward pass without gradients stopped at the first block, and that is
    neither a block, nor inside one, nor holds one (nor the model itself). Its output is the first block's
    input, so the blocks still form a chain with it in front.
-2. **[a stem is taken only where it measures lower]** The profiler looks for a stem only where what lives
-   outside the blocks as the first block starts, beyond parameters, optimizer state and the batch, is at least
-   ``LOOK_SHARE`` of the plain peak (decoders, whose embedding saves only token ids, never pay for the look);
-   it then measures two steps, every block checkpointed without and with the stem, and takes the stem only
+2. **[a stem is taken only where it measures lower]** The search's forward pass runs with gradients under a
+   meter that counts only what it makes, so it also measures what the work before the first block keeps alive
+   for its backward pass beyond that block's input; where that is under ``LOOK_SHARE`` of the plain peak
+   (decoders, whose embedding saves only token ids; tensors alive before the pass never count), the look ends
+   there. Otherwise it measures two steps, every block checkpointed without and with the stem, and takes the stem only
    where the second measures at least ``TAKE_SHARE`` of the plain peak lower and the stem repeats (repeat.py's
    [a block is recomputed only if it repeats]). The blocks are then profiled again with the stem first, without
    regions (``STEM_REGIONS``: a region over the stem, whose input is the batch, measured up to 7% over its
@@ -23,6 +24,7 @@ Rules:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from torchckpt._progress import phase
 from torchckpt.executor.compiled import uncompiled
+from torchckpt.memory import MemoryMeter
 from torchckpt.planner import solve as solver
 from torchckpt.planner.blocks import block_paths, positional_form
 from torchckpt.planner.from_costs import ChainCosts, no_checkpointing_schedule
@@ -59,8 +62,8 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 def find_stem(runner: StepRunner, blocks: Sequence[nn.Module]) -> str | None:
     """The path of the stem ([the stem makes the first block's input]), or None when no module outside the
-    blocks returns the first block's first input. Runs the model's forward pass without gradients up to the
-    first block (the loop's own step when ``runner`` has a ``step_fn``).
+    blocks returns the first block's first input. Runs the model's forward pass up to the first block (the loop's
+    own step when ``runner`` has a ``step_fn``); the caller restores the model's state and the RNG streams.
 
     Example:
         >>> stem = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
@@ -68,6 +71,13 @@ def find_stem(runner: StepRunner, blocks: Sequence[nn.Module]) -> str | None:
         >>> find_stem(StepRunner(model, (torch.ones(2, 4),)), [model[1], model[2]])
         '0'
     """
+    return _search(runner, blocks)[0]
+
+
+def _search(runner: StepRunner, blocks: Sequence[nn.Module]) -> tuple[str | None, int]:
+    """``find_stem``'s path, and the bytes the forward pass made and keeps alive as the first block starts beyond
+    that block's input (what the stem saves for its backward pass), measured with gradients on: tensors alive
+    before the pass (the batch, parameters, another model's) are not counted."""
     if not blocks:
         raise ValueError("find_stem needs the blocks, in forward order; got none")
     model = runner.model
@@ -77,52 +87,58 @@ def find_stem(runner: StepRunner, blocks: Sequence[nn.Module]) -> str | None:
         return bool(path) and not any(path == block or path.startswith(f"{block}.") or block.startswith(f"{path}.")
                                       for block in inside)
 
-    made: dict[int, str] = {}  # id of a module's output -> the outermost module that returned it
-    kept: list[torch.Tensor] = []  # alive until the search ends, so no id is reused
-    first: list[torch.Tensor] = []
+    # id of a module's output -> (the outermost module that returned it, the tensor, weakly: held strongly, the
+    # outputs would count as kept; the weak reference tells a reused id from the same tensor)
+    made: dict[int, tuple[str, weakref.ref]] = {}
+    first: list[Any] = []  # the first block's input, and the bytes alive as it starts
 
     def after(path: str) -> Any:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             tensor = _first_tensor(output)
-            if tensor is not None:
-                kept.append(tensor)
-                # an outer module's hook runs after its children's: the outermost wins, not a later sibling that
-                # hands the same tensor on (an Identity, an in-place activation)
-                known = made.get(id(tensor))
-                if known is None or known.startswith(f"{path}."):
-                    made[id(tensor)] = path
+            if tensor is None:
+                return
+            # an outer module's hook runs after its children's: the outermost wins, not a later sibling that
+            # hands the same tensor on (an Identity, an in-place activation)
+            known = made.get(id(tensor))
+            if known is None or known[1]() is not tensor or known[0].startswith(f"{path}."):
+                made[id(tensor)] = (path, weakref.ref(tensor))
         return hook
 
     def reached(module: nn.Module, args: tuple, kwargs: dict) -> None:
         args, kwargs = positional_form(module, args, kwargs)  # the block's input as the profiler reads it
         if args and isinstance(args[0], torch.Tensor):
-            first.append(args[0])
+            first.extend((args[0], meter.current_bytes))
         raise _Reached
 
     handles = [module.register_forward_hook(after(path)) for path, module in model.named_modules() if outside(path)]
     handles.append(blocks[0].register_forward_pre_hook(reached, with_kwargs=True))
     try:
-        with torch.no_grad():
-            if runner.step_fn is not None:
-                runner.step_fn(model, runner.example_inputs)
-            else:
-                call_model(model, runner.example_inputs)
-    except _Reached:
-        pass
+        with torch.enable_grad(), MemoryMeter(runner.device, include_existing=False) as meter:
+            try:
+                if runner.step_fn is not None:
+                    runner.step_fn(model, runner.example_inputs)
+                else:
+                    call_model(model, runner.example_inputs)
+            except _Reached:
+                pass
     finally:
         for handle in handles:
             handle.remove()
-    return made.get(id(first[0])) if first else None
+    if not first:
+        return None, 0
+    tensor, alive = first
+    known = made.get(id(tensor))
+    path = known[0] if known is not None and known[1]() is tensor else None
+    return path, max(0, alive - tensor.untyped_storage().nbytes())
 
 
 def stem_choice(runner: StepRunner, blocks: Sequence[nn.Module],
                 costs: ChainCosts) -> tuple[nn.Module | None, str | None]:
     """``(stem, note)`` by [a stem is taken only where it measures lower]: the stem module to put before the
     blocks, or None; the note for the costs (``notes["stem"]``), None where no stem was looked for.
-    ``costs`` are the blocks' own, measured: their plain peak, and what lives outside the blocks beyond
-    parameters and optimizer state as the first block starts (``fixed_bytes`` less those). Runs up to four
-    passes (the search, two measured steps, the repeat check); the caller restores the model's state
-    and the RNG streams (``preserved_state``) and clears the gradients.
+    ``costs`` are the blocks' own, measured (their plain peak). Runs the search's partial forward pass and, where
+    the stem keeps enough, up to three more (two measured steps, the repeat check); the caller restores the
+    model's state and the RNG streams (``preserved_state``).
 
     Example:
         >>> from torchckpt.planner.profile import profile
@@ -141,19 +157,11 @@ def stem_choice(runner: StepRunner, blocks: Sequence[nn.Module],
         every block checkpointed measured 77% of the no-checkpointing peak with it, 83% without
     """
     plain_peak = int(solver.evaluate(costs, no_checkpointing_schedule(costs))[0])
-    state = runner.state_bytes()  # gradients are alive where fixed_bytes is read (the first block's start) only
-    outside = costs.fixed_bytes - state["parameters"] - state["optimizer_state"]  # when a micro-batch's came first
-    if runner.micro_batches > 1:
-        outside -= state["gradients"]
-    batch = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tree_flatten(runner.example_inputs)[0]
-             if isinstance(t, torch.Tensor) and t.device == runner.device and t.layout == torch.strided}
-    outside -= sum(batch.values())  # the batch lives through the step whatever the plan
-    if plain_peak <= 0 or outside < LOOK_SHARE * plain_peak:
+    path, kept = _search(runner, blocks)
+    runner.clear_grads()
+    if path is None or plain_peak <= 0 or kept < LOOK_SHARE * plain_peak:
         return None, None
     phase("checking whether the work before the first block lowers the peak as a block")
-    path = find_stem(runner, blocks)
-    if path is None:
-        return None, None
     stem = uncompiled(runner.model.get_submodule(path))  # a stem compiled on its own is planned through its original
     path = path.replace("._orig_mod", "")
     without = measure_every_block_peak(runner, list(blocks))
