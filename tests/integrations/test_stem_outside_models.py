@@ -36,6 +36,7 @@ def test_auto_blocks_with_or_without_a_stem_plan_within_budget_and_bitwise(name:
     assert report.max_gradient_difference == 0.0 or report.rounding_only, report
 
 
+@pytest.mark.slow  # 10 s; tests/planner/test_stem.py checks the same on a small stem network in the fast tier
 def test_the_stem_of_a_resnet_at_full_resolution_is_taken_and_lowers_the_floor() -> None:
     """An HF ResNet of bottleneck blocks whose stem (7x7 convolution, BatchNorm, max-pooling at 128 px) holds its
     full-resolution activations through every block's backward pass (every block checkpointed: 73% of the
@@ -64,6 +65,7 @@ def test_the_stem_of_a_resnet_at_full_resolution_is_taken_and_lowers_the_floor()
     assert report.max_gradient_difference == 0.0, report
 
 
+@pytest.mark.slow  # 13 s; tests/planner/test_stem.py checks regions off over a stem in the fast tier
 def test_a_mobilenet_stem_is_planned_without_regions_and_holds_its_prediction() -> None:
     """HF MobileNetV2: its stem taken, a region over it (its input the batch) measured 7% over its prediction; the
     stem is planned in single blocks only, and plans at and above the floor measure what they predict."""

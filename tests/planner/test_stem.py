@@ -75,6 +75,7 @@ def test_a_stem_is_planned_as_the_first_block_lowering_the_floor_bitwise_and_wit
     costs = torchckpt.profile(model, _batch(), loss_fn=_loss)
     assert costs.block_paths[0] == "stem" and list(costs.block_paths[1:]) == [f"layers.{i}" for i in range(4)]
     assert costs.notes["stem"].startswith("stem taken as the first block: every block checkpointed"), costs.notes
+    assert costs.notes["regions"].startswith("off: the stem"), costs.notes  # regions over a stem are not modelled
     by_hand = _floor(model, blocks=list(model.layers))  # the blocks alone, the stem's activations fixed
     floor = _floor(model)
     assert floor < by_hand, (floor, by_hand)
