@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_other_blocks import ConvBlock  # a residual block of two 3x3 convolutions (conftest.py: on sys.path)
 from torch import nn
 
 import torchckpt
@@ -16,15 +17,6 @@ from torchckpt.planner.stem import find_stem
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class Residual(nn.Module):
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.a, self.b = nn.Conv2d(channels, channels, 3, padding=1), nn.Conv2d(channels, channels, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.b(torch.relu(self.a(x)))
-
-
 class StemNet(nn.Module):
     """A ResNet's shape: a full-resolution stem (convolution, BatchNorm, ReLU, pooling) whose activations
     outweigh what any one block holds, then residual blocks on the pooled grid."""
@@ -32,7 +24,7 @@ class StemNet(nn.Module):
     def __init__(self, scale: float = 1.0) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2))
-        self.layers = nn.ModuleList(Residual(16) for _ in range(4))
+        self.layers = nn.ModuleList(ConvBlock(16) for _ in range(4))
         self.head = nn.Linear(16, 10)
         self.scale = scale
 
