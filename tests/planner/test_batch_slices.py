@@ -17,6 +17,7 @@ from torchckpt.executor.batch_slices import run_in_slices, sliced_checkpoint
 from torchckpt.memory import MemoryMeter
 from torchckpt.models import gpt
 from torchckpt.planner.batch_slices import sliceable_blocks
+from torchckpt.planner.blocks import block_pieces
 from torchckpt.planner.from_costs import floor_over_options, plan_pieces
 from torchckpt.planner.plan import Plan
 from torchckpt.planner.runner import StepRunner
@@ -238,3 +239,62 @@ def test_every_schedule_mixing_sliced_checkpointed_and_plain_blocks_is_predicted
         report = torchckpt.verify_plan(model, plan, batch)
         assert report.within_budget and report.prediction_error <= 0.01, (combo, report)
         assert report.gradients_equal and report.buffers_equal, (combo, report)
+
+
+def test_a_refused_blocks_pieces_are_checked_on_their_own_inputs() -> None:
+    """batch_slices.py's [a refused block's pieces may run in slices]: dropout between a block's pieces refuses the
+    block, not its attention and MLP; a sliceable block's pieces are not checked, and a piece that sees another
+    first dimension than its block's batch is refused by name."""
+    torch.manual_seed(0)
+    model = gpt("tiny", dropout=0.1)
+    runner = StepRunner(model, model.example_batch(batch_size=4, seq_len=32))
+    pieces = [block_pieces(block) for block in model.blocks]
+    reasons = sliceable_blocks(runner, list(model.blocks), 2, pieces)
+    assert len(reasons) == 2 + sum(map(len, pieces)) and all("outputs differ" in r for r in reasons[:2]), reasons
+    assert reasons[2:] == [""] * sum(map(len, pieces)), reasons
+    exact = gpt("tiny", dropout=0.0)
+    runner = StepRunner(exact, exact.example_batch(batch_size=4, seq_len=32))
+    reasons = sliceable_blocks(runner, list(exact.blocks), 2, [block_pieces(block) for block in exact.blocks])
+    assert reasons[:2] == ["", ""] and set(reasons[2:]) == {"its block runs in slices"}, reasons
+
+    class Flattening(nn.Module):  # its MLP sees (batch x tokens) rows: slicing them is not slicing the batch
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.mlp = nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # the batch mean refuses the block itself
+            return x + self.mlp(self.norm(x).flatten(0, 1)).view_as(x) + x.mean(0)
+
+    blocks = nn.Sequential(Flattening(), Flattening())
+    runner = StepRunner(blocks, (torch.randn(4, 3, 8),), loss_fn=lambda out: out.square().mean())
+    reasons = sliceable_blocks(runner, list(blocks), 2, [block_pieces(block) for block in blocks])
+    assert reasons[2] == "" and reasons[3] == "its first argument's first dimension (12) is not its block's batch (4)"
+    with pytest.raises(ValueError, match="one list per block"):
+        sliceable_blocks(runner, list(blocks), 2, [[]])
+
+
+def test_a_refused_blocks_exact_pieces_run_in_slices_within_budget() -> None:
+    """A GPT with dropout on its residual branches: no block may run in slices, but its attention and MLP may, inside
+    the nested option; the floor falls below the nested floor without them, and the plan there keeps its budget with
+    every gradient bitwise but the sliced pieces' parameters (to rounding), buffers bitwise."""
+    torch.manual_seed(0)
+    model = gpt("tiny", dropout=0.1)
+    batch = model.example_batch(batch_size=8, seq_len=64)
+    whole = torchckpt.profile(model, batch, loss_head=False)
+    sliced = torchckpt.profile(model, batch, batch_slices=4, loss_head=False)
+    assert sliced.notes["batch slices"].startswith("0 of 2 blocks") and "4 pieces of 2" in sliced.notes["batch slices"]
+    assert all(block.nested_sliced_pieces == (1, 3) and block.nested_piece_slices == 4  # attention, MLP; not norms
+               for block in sliced.blocks), sliced.blocks
+    assert _floor(sliced) < 0.9 * _floor(whole), (_floor(sliced), _floor(whole))
+    plan = sliced.plan(_floor(sliced))
+    assert any(piece.sliced_pieces for piece in plan.schedule) and "2 in 4 slices of the batch" in plan.table()
+    report = torchckpt.verify_plan(model, plan, batch)
+    assert report.within_budget and abs(report.prediction_error) <= 0.01, report
+    assert report.gradients_equal and report.buffers_equal, report
+    pieces = tuple(f"blocks.{piece.block}.{name}." for piece in plan.schedule if piece.sliced_pieces
+                   for name in ("attn", "mlp"))
+    assert all(name.startswith(pieces) for name in report.rounding_only), report.rounding_only
+    text = plan.to_json()
+    assert json.loads(text)["version"] == 6 and Plan.from_json(text) == plan
+    with pytest.raises(ValueError, match="pieces run in slices only in a nested block"):
+        dataclasses.replace(next(p for p in plan.schedule if p.sliced_pieces), nested=False)

@@ -56,7 +56,7 @@ def test_a_plan_at_the_floor_holds_its_budget_and_updates_bitwise(mini):
     text = plan.to_json()
     assert json.loads(text)["version"] == 5 and torchckpt.Plan.from_json(text) == plan
     older = json.loads(text)
-    older["version"] = 6
+    older["version"] = 7
     with pytest.raises(ValueError, match="upgrade torchckpt"):
         torchckpt.Plan.from_json(json.dumps(older))
     with pytest.raises(ValueError, match="pass the optimizer"):

@@ -39,8 +39,8 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
     to call its blocks as a chain (each block's first argument is the previous block's output, the
     other arguments are shared), which the profiler checks before a plan with regions is made. A block whose
     pieces are nested (``PlannedBlock.nested``) also checkpoints each of ``blocks.block_pieces(block)`` inside
-    it, and one with ``slices`` > 1 runs as that many checkpoints over slices of the batch
-    (``executor/batch_slices.py``). A plan with a
+    it (those in ``sliced_pieces`` as ``piece_slices`` checkpoints over slices of the batch), and one with
+    ``slices`` > 1 runs as that many checkpoints over slices of the batch (``executor/batch_slices.py``). A plan with a
     chunked loss head (``plan.loss_head``) makes that head return deferred logits whose cross-entropy is
     computed in chunks (``executor/loss_head.py``); a loop that reads them whole gets them, with a warning that
     the plan's peak assumed otherwise. A plan made with ``optimizer_in_backward=True`` runs ``optimizer``'s update
@@ -98,8 +98,11 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
                 call = functools.partial(checkpoint, block.forward, policy=policy)
             wrap_forward(block, call, wrapped)
             if piece.nested:  # costs.py's [pieces nested inside a block]
-                for child in block_pieces(block):
-                    wrap_forward(child, functools.partial(checkpoint, child.forward), wrapped)
+                for j, child in enumerate(block_pieces(block)):  # batch_slices.py's [a refused block's pieces ...]
+                    call = functools.partial(sliced_checkpoint, child.forward, slices=piece.piece_slices,
+                                             batch=piece.slice_batch) if j in piece.sliced_pieces else \
+                        functools.partial(checkpoint, child.forward)
+                    wrap_forward(child, call, wrapped)
     if plan.loss_head:  # checked by check_fits: an nn.Linear at that path
         head = model.get_submodule(plan.loss_head["path"])
         chunked = ChunkedHeadHandle(head=head, chunk_tokens=plan.loss_head["chunk_tokens"], warn=True)

@@ -14,6 +14,12 @@ outside the block's parameters (a shared relative-position table). A block that 
 mixes samples (BatchNorm in training), counts its calls in a buffer, or whose kernels sum in another order for
 fewer rows fails here and keeps its other options; the reason is noted. Parameters, buffers and RNG streams are
 put back afterwards, so the check changes nothing the steps measure.
+
+Rule **[a refused block's pieces may run in slices]**: a block refused for what lies between its pieces (the
+dropout on a transformer block's residual branches) may still hold pieces that are exact in slices (its attention,
+its MLP): each piece of a refused block (``blocks.block_pieces``) is checked as a block is, on its own inputs in
+the same pass, and the block's nested option runs those pieces in slices (costs.py's [pieces nested inside a
+block]), the rest of the block whole.
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ class _Stop(Exception):
     """Raised after the last block ran: the check needs no loss and no backward pass."""
 
 
-def sliceable_blocks(runner: StepRunner, blocks: list[nn.Module], slices: int) -> list[str]:
+def sliceable_blocks(runner: StepRunner, blocks: list[nn.Module], slices: int,
+                     pieces: list[list[nn.Module]] | None = None) -> list[str]:
     """Per block, why it may not run in ``slices`` slices of the batch ("" where it may), by the module
     docstring's [only blocks measured exact are sliced].
 
@@ -66,13 +73,31 @@ def sliceable_blocks(runner: StepRunner, blocks: list[nn.Module], slices: int) -
         >>> runner = StepRunner(gpt_with_dropout, gpt_with_dropout.example_batch(batch_size=4, seq_len=16))
         >>> sliceable_blocks(runner, list(gpt_with_dropout.blocks), 2)[0][:40]
         'its outputs differ run whole and in 2 sl'
+
+    With ``pieces`` (per block, the pieces it may nest: ``blocks.block_pieces``), the same pass also checks the
+    pieces of every block refused, each on its own inputs, and lists their reasons after the blocks' (block 0's
+    pieces first): [a refused block's pieces may run in slices].
     """
-    reasons = ["not reached by the forward pass"] * len(blocks)
+    pieces = pieces or [[] for _ in blocks]
+    if len(pieces) != len(blocks):
+        raise ValueError(f"pieces: give one list per block ({len(blocks)}); got {len(pieces)}")
+    owner = [None] * len(blocks) + [i for i, inside in enumerate(pieces) for _ in inside]
+    modules = [*blocks, *(piece for inside in pieces for piece in inside)]
+    reasons = ["not reached by the forward pass"] * len(modules)
+    batches = [0] * len(blocks)  # each block's batch, as its pieces must see it (the plan slices them so)
     checking = [False]
 
     def check(index: int) -> Callable[..., None]:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if checking[0]:
+            block = owner[index]
+            if checking[0] or (block is not None and not reasons[block]):  # a sliced block's pieces run whole
+                return
+            first = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else 0
+            if block is None:
+                batches[index] = first
+            elif first != batches[block]:
+                reasons[index] = (f"its first argument's first dimension ({first}) is not its block's batch "
+                                  f"({batches[block]})")
                 return
             checking[0] = True
             try:
@@ -87,7 +112,7 @@ def sliceable_blocks(runner: StepRunner, blocks: list[nn.Module], slices: int) -
         if not checking[0]:
             raise _Stop
 
-    handles = [block.register_forward_pre_hook(check(i), with_kwargs=True) for i, block in enumerate(blocks)]
+    handles = [module.register_forward_pre_hook(check(i), with_kwargs=True) for i, module in enumerate(modules)]
     if blocks:
         handles.append(blocks[-1].register_forward_hook(stop))
     try:
@@ -100,7 +125,8 @@ def sliceable_blocks(runner: StepRunner, blocks: list[nn.Module], slices: int) -
     finally:
         for handle in handles:
             handle.remove()
-    return reasons
+    return [reason if block is None or reasons[block] else "its block runs in slices"
+            for reason, block in zip(reasons, owner)]
 
 
 @torch.no_grad()

@@ -119,7 +119,10 @@ The peak model the solver evaluates (named so that solver, profiler and tests ca
    activations at a time, its pieces nested inside each slice unless ``nested_pieces`` is False (profiled with
    ``pieces=False``, or a block without pieces); the figures above are then measured so, and its forward pass,
    which then holds one slice's transients, peaks at ``x_i + nested_forward_peak_bytes_i (+ g)`` of [forward
-   peak] (measured in the same step) instead of ``forward_peak_bytes_i``.
+   peak] (measured in the same step) instead of ``forward_peak_bytes_i``. A block not so sliced may instead run
+   the pieces listed in ``nested_sliced_pieces`` (indices into ``blocks.block_pieces``), those measured exact, in
+   ``nested_piece_slices`` slices each (planner/batch_slices.py's [a refused block's pieces may run in slices]);
+   its figures and its forward peak are then measured so, in the same way.
 12. **[offloaded blocks]** A block may run plainly with the activations its forward pass saves moved to host
    memory (executor/offload.py), nothing recomputed; what it saves of its input moves too. It then holds, after its
    forward pass, its input only if ``offload_input_held`` (measured in a step with every block so run: the input
@@ -248,6 +251,8 @@ class BlockCosts:
     nested_pieces: bool = True  # the nested option checkpoints the block's pieces inside it (rule 11)
     nested_forward_peak_bytes: int = -1  # the nested option's forward peak, measured (rule 11); -1: forward_peak_bytes
     nested_slice_batch: int = 0  # the batch the sliced option was measured on (rule 11); 0: not sliced
+    nested_sliced_pieces: tuple[int, ...] = ()  # the nested option runs these pieces in slices (rule 11) ...
+    nested_piece_slices: int = 1  # ... this many
     plain_only: str = ""  # why the block may not be recomputed (planner/repeat.py); "": it may
     has_backward: bool = True  # False: its output needs no gradient (frozen, a no-grad input, a no_grad section)
     checkpoint_residue_bytes: int = 0  # what a checkpointed forward leaves alive besides its outputs (measured)
@@ -301,6 +306,12 @@ class BlockCosts:
             raise ValueError(f"BlockCosts({self.name!r}).nested_pieces must be a bool, False only with nested_slices "
                              f"> 1 (the option then runs the block in slices without nesting its pieces); got "
                              f"{self.nested_pieces!r}")
+        object.__setattr__(self, "nested_sliced_pieces", tuple(self.nested_sliced_pieces))  # JSON gives a list
+        if isinstance(self.nested_piece_slices, bool) or not isinstance(self.nested_piece_slices, int) or \
+                self.nested_piece_slices < 1 or (self.nested_piece_slices > 1) != bool(self.nested_sliced_pieces):
+            raise ValueError(f"BlockCosts({self.name!r}).nested_piece_slices must be an int > 1 with "
+                             f"nested_sliced_pieces, else 1; got {self.nested_piece_slices!r} with "
+                             f"{list(self.nested_sliced_pieces)}")
         if not isinstance(self.input_held_when_plain, bool):
             raise ValueError(f"BlockCosts({self.name!r}).input_held_when_plain must be a bool; got "
                              f"{self.input_held_when_plain!r}")

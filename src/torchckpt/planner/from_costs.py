@@ -61,8 +61,8 @@ def plan_pieces(schedule: Sequence[solver.Piece], menus: Sequence[Sequence[solve
 
     Example:
         >>> option = solver.MenuOption(kept_ops=(), held_bytes=0, recompute_s=0.0, plain=True)
-        >>> plan_pieces((solver.Single(block=0, option=0),), [(option,)])
-        (PlannedBlock(block=0, plain=True, keep=(), keep_ops=(), nested=False, slices=1, slice_batch=0, offload=False),)
+        >>> plan_pieces((solver.Single(block=0, option=0),), [(option,)])[0].plain
+        True
     """
     out: list[PlanPiece] = []
     for piece in schedule:
@@ -73,10 +73,13 @@ def plan_pieces(schedule: Sequence[solver.Piece], menus: Sequence[Sequence[solve
         option = menus[piece.block][piece.option]
         keep = () if option.plain else tuple(option.kept_ops)
         names = occurrence_names(costs.blocks[piece.block], keep) if costs is not None and keep else ()
-        batch = costs.blocks[piece.block].nested_slice_batch if costs is not None and option.slices > 1 else 0
+        sliced_pieces = option.sliced_pieces if option.nested and option.pieces and option.slices == 1 else ()
+        batch = costs.blocks[piece.block].nested_slice_batch if costs is not None and (
+            option.slices > 1 or sliced_pieces) else 0
         out.append(PlannedBlock(block=piece.block, plain=option.plain, keep=keep, keep_ops=names,
                                 nested=option.nested and option.pieces, slices=option.slices, slice_batch=batch,
-                                offload=option.offload))
+                                offload=option.offload, sliced_pieces=sliced_pieces,
+                                piece_slices=option.piece_slices if sliced_pieces else 1))
     return tuple(out)
 
 

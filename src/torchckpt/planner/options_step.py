@@ -63,12 +63,21 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
     if pieces and group is not None:
         notes["pieces"] = "no: not planned under DDP or FSDP2 yet"
     sliced: list[int] = []
+    sliced_pieces: dict[int, tuple[int, ...]] = {}  # batch_slices.py's [a refused block's pieces may run in slices]
     if batch_slices > 1 and group is not None:
         notes["batch slices"] = "no: not planned under DDP or FSDP2 yet"
     elif batch_slices > 1:
         say(f"checking which blocks give the same outputs in {batch_slices} slices of the batch")
-        reasons = sliceable_blocks(runner, block_list, batch_slices)
+        per_block = [[p for p in block_pieces(block) if _worth_slicing(p)] if children else [] for block in block_list]
+        reasons = sliceable_blocks(runner, block_list, batch_slices, per_block)
+        piece_reasons, reasons = reasons[len(block_list):], reasons[:len(block_list)]
         sliced = [i for i, reason in enumerate(reasons) if not reason]
+        for i, inside in enumerate(per_block):
+            exact = tuple(block_pieces(block_list[i]).index(piece)
+                          for piece, reason in zip(inside, piece_reasons[:len(inside)]) if not reason)
+            piece_reasons = piece_reasons[len(inside):]
+            if exact and i not in sliced:
+                sliced_pieces[i] = exact
         # a sliced block nests no pieces: their checkpoints would hold more through the forward pass (measured on
         # an HF Llama at 8 x 256: its floor 0.72x every block's peak sliced, 0.91x sliced with pieces nested)
         children = [piece for i, block in enumerate(block_list) if i not in sliced for piece in block_pieces(block)
@@ -76,7 +85,9 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
         refused = [f"block {i}: {reason}" for i, reason in enumerate(reasons) if reason]
         notes["batch slices"] = (f"{len(sliced)} of {len(block_list)} blocks may run in {batch_slices} slices of the "
                                  "batch" + (f"; not {'; '.join(refused[:3])}" if refused else "")
-                                 + (f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""))
+                                 + (f" (and {len(refused) - 3} more)" if len(refused) > 3 else "")
+                                 + (f"; {sum(map(len, sliced_pieces.values()))} pieces of {len(sliced_pieces)} of "
+                                    "those may (their pieces nested)" if sliced_pieces else ""))
     path, head_note = _loss_head_path(runner, costs, group, loss_head)
     head = runner.model.get_submodule(path) if path is not None else None
     if head is not None and "forward" in vars(head):
@@ -85,6 +96,8 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
         return replace(costs, notes=notes, loss_head={"note": head_note} if head_note else {})
     what = " and ".join(part for part, on in (("every block's pieces nested", children),
                                              (f"{len(sliced)} blocks in {batch_slices} slices of the batch", sliced),
+                                             (f"the pieces of {len(sliced_pieces)} blocks exact in {batch_slices} "
+                                              "slices of the batch so run", sliced_pieces),
                                              (f"the loss head ({path}) in chunks", head is not None)) if on)
     say(f"profiling step 6: every block recomputed, with {what}")
     base, rejected = costs, None
@@ -96,8 +109,11 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
                                                        policy="nothing_saveable"))
                 if sliced:
                     stack.enter_context(_in_slices([block_list[i] for i in sliced], batch_slices))
+                in_slices = [block_pieces(block_list[i])[j] for i, exact in sliced_pieces.items() for j in exact]
                 if children:
-                    stack.enter_context(checkpoint_modules(children, policy="nothing_saveable"))
+                    stack.enter_context(checkpoint_modules([c for c in children if not any(c is p for p in in_slices)],
+                                                           policy="nothing_saveable"))
+                    stack.enter_context(_in_slices(in_slices, batch_slices))
                 chunked = stack.enter_context(chunked_for_profiling(head)) if head is not None else None
                 stack.enter_context(block_ticks(block_list))  # _progress.py's [reported per phase, never per op]
                 probe = measure_step(runner, block_list, record_ops=False)
@@ -109,13 +125,13 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
             notes[what_failed] = (f"no: the step with {'pieces nested' if children else 'blocks in slices'} failed "
                                   f"({type(error).__name__}: {str(error)[:200]})")
             _log.info("torchckpt: %s", notes[what_failed])
-            children, sliced = [], []
+            children, sliced, sliced_pieces = [], [], {}
             if head is None:
                 return replace(costs, notes=notes, loss_head=rejected or ({"note": head_note} if head_note else {}))
             continue
         runner.clear_grads()
-        costs = _nested_pieces(block_list, base, recomputed, probe, sliced, batch_slices, bool(children)) \
-            if children or sliced else base
+        costs = _nested_pieces(block_list, base, recomputed, probe, sliced, batch_slices, bool(children),
+                               sliced_pieces) if children or sliced else base
         entry: dict[str, Any] = rejected or ({"note": head_note} if head_note else {})
         if isinstance(head, nn.Linear) and chunked is not None and path is not None:
             held = sum(b.checkpoint_held_bytes + (b.nested_held_bytes if children or sliced else 0)
@@ -132,6 +148,15 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
             assert head is not None
             entry["extra_time_s"] = _chunked_step_extra_s(runner, head, costs.step_time_s, entry["extra_time_s"])
         return replace(costs, notes=notes, loss_head=entry)
+
+
+def _worth_slicing(piece: nn.Module) -> bool:
+    """Whether a piece of a refused block is checked for slices (batch_slices.py's [a refused block's pieces may run
+    in slices]): one with a weight matrix (attention, an MLP, a convolution), not a norm. A norm's activations are
+    the size of its input, so slices save little there, and its gradients are per-feature sums over every token,
+    where a sum made slice by slice rounds most against the piece's own scale (measured on the project's GPT small
+    at 8 x 512: LayerNorm biases 3.4e-6 relative, within 0.4e-6 of verify.ROUNDING_EPS_FACTOR's tolerance)."""
+    return any(parameter.dim() >= 2 for parameter in piece.parameters())
 
 
 def _chunked_step_extra_s(runner: StepRunner, head: nn.Module, plain_step_s: float, recompute_s: float) -> float:
@@ -156,14 +181,16 @@ def _in_slices(blocks: list[nn.Module], slices: int) -> Iterator[None]:
 
 
 def _nested_pieces(block_list: list[nn.Module], costs: ChainCosts, recomputed: Probe, probe: Probe,
-                   sliced: list[int], slices: int, pieces_nested: bool) -> ChainCosts:
+                   sliced: list[int], slices: int, pieces_nested: bool,
+                   sliced_pieces: dict[int, tuple[int, ...]]) -> ChainCosts:
     """costs.py's [pieces nested inside a block] from ``probe``, a step with every block checkpointed keeping nothing
     and its pieces (``blocks.block_pieces``) checkpointed inside it: each block's backward peak there, less what
     [backward peak] counts besides the block's own activations and transients (``C + H``, what the checkpoint
     holds, the incoming gradient), is its ``nested_recompute_peak_bytes``; what a block's forward pass leaves behind
     beyond what it leaves with every block checkpointed plainly (``recomputed``, the profile's first step) is its
     ``nested_held_bytes``; a block in ``sliced`` was run in ``slices`` slices of the batch (``nested_slices``), its
-    pieces nested inside it where ``pieces_nested`` (``nested_pieces``)."""
+    pieces nested inside it where ``pieces_nested`` (``nested_pieces``); another's pieces in ``sliced_pieces`` ran
+    in ``slices`` slices each (``nested_sliced_pieces``)."""
     fixed = probe.traces[0].before_forward - probe.traces[0].input_bytes
     blocks, n = costs.blocks, len(costs.blocks)
     last_output = blocks[-1].output_bytes
@@ -179,10 +206,14 @@ def _nested_pieces(block_list: list[nn.Module], costs: ChainCosts, recomputed: P
         nested = max(0, (trace.backward_peak or 0) - base)
         # [forward peak] as profile.py's _assemble reads it: above C (less the last output's gradient), what the
         # blocks before hold in this step, and the block's input; only a sliced forward differs from the plain one
-        forward = max(0, trace.forward_peak - (fixed + last_output + held + block.input_bytes)) if i in sliced else -1
+        in_slices = i in sliced or i in sliced_pieces
+        forward = max(0, trace.forward_peak - (fixed + last_output + held + block.input_bytes)) if in_slices else -1
+        count = min(slices, trace.input_shape[0]) if in_slices else 1
         updated.append(replace(block, nested_recompute_peak_bytes=nested, nested_held_bytes=extra,
-                               nested_slices=min(slices, trace.input_shape[0]) if i in sliced else 1,
-                               nested_slice_batch=trace.input_shape[0] if i in sliced else 0,
+                               nested_slices=count if i in sliced else 1,
+                               nested_slice_batch=trace.input_shape[0] if in_slices else 0,
+                               nested_sliced_pieces=sliced_pieces.get(i, ()) if count > 1 else (),
+                               nested_piece_slices=count if count > 1 and i in sliced_pieces else 1,
                                nested_pieces=bool(pieces_nested and i not in sliced and block_pieces(block_list[i])),
                                nested_forward_peak_bytes=forward))
         held += block.checkpoint_held_bytes + extra

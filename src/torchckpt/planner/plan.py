@@ -33,16 +33,17 @@ from torchckpt.planner.blocks import describe_paths, own_type, structure_key
 __all__ = ["Plan", "PlanMismatchError", "PlanPiece", "PlannedBlock", "PlannedRegion", "fingerprint",
            "iter_blocks"]
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 # A plan is written as the lowest version that carries it, so that releases before an option read the plans
 # without it the same way and refuse, by version, those with it instead of applying them without: version 1
 # has none of the options below; version 2 adds a chunked loss head, nested pieces, the optimizer inside the
 # backward pass and micro-batches; version 3 adds blocks run in slices of the batch; version 4 offloaded blocks;
-# version 5 the optimizer's state in host memory.
+# version 5 the optimizer's state in host memory; version 6 a nested block's pieces run in slices of the batch.
 _WITHOUT_LOSS_HEAD_VERSION = 1
 _WITHOUT_SLICES_VERSION = 2
 _WITHOUT_OFFLOAD_VERSION = 3
 _WITHOUT_OPTIMIZER_OFFLOAD_VERSION = 4
+_WITHOUT_SLICED_PIECES_VERSION = 5
 _OFFLOAD_KEYS = ("window_bytes", "host_budget_bytes", "predicted_host_peak_bytes", "inputs")
 
 
@@ -74,9 +75,21 @@ class PlannedBlock:
     slices: int = 1  # run in this many slices of the batch, keeping nothing (executor/batch_slices.py)
     slice_batch: int = 0  # ... of a batch this large (as profiled); another batch runs unsliced, with a warning
     offload: bool = False  # run plainly, its saved activations in host memory (costs.py's [offloaded blocks])
+    sliced_pieces: tuple[int, ...] = ()  # nested: these of its pieces (blocks.block_pieces) run in slices ...
+    piece_slices: int = 1  # ... this many, of a batch of slice_batch (planner/batch_slices.py's [a refused ...])
 
     def __post_init__(self) -> None:
         check_index("PlannedBlock.block", self.block)
+        sliced_pieces = tuple(self.sliced_pieces)
+        for index in sliced_pieces:
+            check_index("PlannedBlock.sliced_pieces[]", index)
+        if isinstance(self.piece_slices, bool) or not isinstance(self.piece_slices, int) or self.piece_slices < 1 \
+                or (self.piece_slices > 1) != bool(sliced_pieces) or (sliced_pieces and not self.nested) \
+                or (sliced_pieces and self.slices > 1):
+            raise ValueError(f"PlannedBlock(block={self.block}): sliced_pieces={list(sliced_pieces)} with "
+                             f"piece_slices={self.piece_slices!r}: pieces run in slices only in a nested block that "
+                             "is not itself sliced, and then piece_slices must be an int > 1 (else 1, no pieces)")
+        object.__setattr__(self, "sliced_pieces", sliced_pieces)
         if not isinstance(self.offload, bool) or (self.offload and not self.plain):
             raise ValueError(f"PlannedBlock(block={self.block}).offload must be a bool, True only for a plain block "
                              f"(offload moves what a plainly run block saves); got offload={self.offload!r}, "
@@ -168,8 +181,9 @@ def _piece_to_json(piece: PlanPiece) -> dict[str, Any]:
         entry["nested"] = True
     if piece.offload:
         entry["offload"] = True
-    if piece.slices > 1:
-        entry["slices"] = piece.slices
+    if piece.slices > 1 or piece.sliced_pieces:
+        entry.update({"slices": piece.slices} if piece.slices > 1 else {
+            "sliced_pieces": list(piece.sliced_pieces), "piece_slices": piece.piece_slices})
         entry["slice_batch"] = piece.slice_batch
     if not piece.plain:
         entry["keep"] = list(piece.keep)
@@ -187,7 +201,8 @@ def _piece_from_json(entry: Any) -> PlanPiece:
     return PlannedBlock(block=entry["block"], plain=entry["plain"], keep=tuple(entry.get("keep", ())),
                         keep_ops=tuple(entry.get("keep_ops", ())), nested=entry.get("nested", False),
                         slices=entry.get("slices", 1), slice_batch=entry.get("slice_batch", 0),
-                        offload=entry.get("offload", False))
+                        offload=entry.get("offload", False), sliced_pieces=tuple(entry.get("sliced_pieces", ())),
+                        piece_slices=entry.get("piece_slices", 1))
 
 
 def fingerprint(model: nn.Module, example_inputs: tuple | dict, block_paths: list[str]) -> dict[str, Any]:
@@ -292,7 +307,9 @@ class Plan:
                 pieces = ", pieces nested" if piece.nested else ""
                 decision = f"recompute all{pieces}, in {piece.slices} slices of the batch"
             elif piece.nested:
-                decision = "recompute all, pieces nested"
+                sliced = f" ({len(piece.sliced_pieces)} in {piece.piece_slices} slices of the batch)" \
+                    if piece.sliced_pieces else ""
+                decision = f"recompute all, pieces nested{sliced}"
             elif piece.keep:
                 decision = f"recompute, keep {len(piece.keep)} ops"
             else:
@@ -368,7 +385,9 @@ class Plan:
         newer = self.loss_head or nested or self.optimizer_in_backward or self.micro_batches > 1
         sliced = any(piece.slices > 1 for piece, _ in iter_blocks(self.schedule))
         offloaded = any(piece.offload for piece, _ in iter_blocks(self.schedule))
-        version = FORMAT_VERSION if self.optimizer_offload else _WITHOUT_OPTIMIZER_OFFLOAD_VERSION if offloaded else \
+        sliced_pieces = any(piece.sliced_pieces for piece, _ in iter_blocks(self.schedule))
+        version = FORMAT_VERSION if sliced_pieces else _WITHOUT_SLICED_PIECES_VERSION if self.optimizer_offload else \
+            _WITHOUT_OPTIMIZER_OFFLOAD_VERSION if offloaded else \
             _WITHOUT_OFFLOAD_VERSION if sliced else \
             _WITHOUT_SLICES_VERSION if newer else _WITHOUT_LOSS_HEAD_VERSION
         payload = {"format": "torchckpt.plan", "version": version, "budget_bytes": self.budget_bytes,
@@ -394,7 +413,8 @@ class Plan:
         if not isinstance(payload, dict) or payload.get("format") != "torchckpt.plan":
             raise ValueError("not a torchckpt plan: the JSON has no \"format\": \"torchckpt.plan\" field")
         if payload.get("version") not in (_WITHOUT_LOSS_HEAD_VERSION, _WITHOUT_SLICES_VERSION, _WITHOUT_OFFLOAD_VERSION,
-                                          _WITHOUT_OPTIMIZER_OFFLOAD_VERSION, FORMAT_VERSION):
+                                          _WITHOUT_OPTIMIZER_OFFLOAD_VERSION, _WITHOUT_SLICED_PIECES_VERSION,
+                                          FORMAT_VERSION):
             raise ValueError(f"plan format version {payload.get('version')!r} is not supported by this torchckpt "
                              f"(reads versions {_WITHOUT_LOSS_HEAD_VERSION} to {FORMAT_VERSION}); upgrade torchckpt "
                              "or re-create the plan")

@@ -27,6 +27,7 @@ from torchckpt.executor.kv_cache import kv_cache_off
 from torchckpt.executor.optimizer_offload import state_offload_of
 from torchckpt.memory import MemoryMeter, synchronize
 from torchckpt.planner.apply import apply_plan
+from torchckpt.planner.blocks import block_pieces
 from torchckpt.planner.plan import Plan, iter_blocks
 from torchckpt.planner.runner import StepFn, StepRunner
 
@@ -185,12 +186,36 @@ def loss_head_parameters(model: nn.Module, plan: Plan) -> list[tuple[int, str]]:
             if p.untyped_storage().data_ptr() in storages]
 
 
-def sliced_parameters(model: nn.Module, plan: Plan, only: int | None = None) -> list[tuple[int, str]]:
-    """(index in ``parameters()``, name) of the parameters of blocks the plan runs in slices of the batch (of block
-    ``only``, if given): their gradients are summed slice by slice (executor/batch_slices.py's [slicing must not
-    change the values])."""
-    sliced = {id(p) for piece, _ in iter_blocks(plan.schedule) if piece.slices > 1 and only in (None, piece.block)
-              for p in model.get_submodule(plan.block_paths[piece.block]).parameters()}
+def sliced_modules(model: nn.Module, plan: Plan) -> list[nn.Module]:
+    """The modules the plan runs in slices of the batch: sliced blocks, and the pieces of nested blocks run so
+    (planner/batch_slices.py's [a refused block's pieces may run in slices]).
+
+    Example:
+        >>> from torchckpt.planner.plan import PlannedBlock
+        >>> model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+        >>> plan = Plan(budget_bytes=1, predicted_peak_bytes=1, predicted_extra_time_s=0.0, block_paths=("0",),
+        ...             schedule=(PlannedBlock(block=0, plain=False, nested=True, sliced_pieces=(1,), piece_slices=2),),
+        ...             fingerprint={})
+        >>> sliced_modules(model, plan) == [model[0][1]]
+        True
+    """
+    found: list[nn.Module] = []
+    for piece, _ in iter_blocks(plan.schedule):
+        block = model.get_submodule(plan.block_paths[piece.block])
+        if piece.slices > 1:
+            found.append(block)
+        elif piece.sliced_pieces:
+            inside = block_pieces(block)
+            found.extend(inside[j] for j in piece.sliced_pieces if j < len(inside))
+    return found
+
+
+def sliced_parameters(model: nn.Module, plan: Plan, only: nn.Module | None = None) -> list[tuple[int, str]]:
+    """(index in ``parameters()``, name) of the parameters of the modules the plan runs in slices of the batch
+    (``sliced_modules``; of ``only``, if given): their gradients are summed slice by slice
+    (executor/batch_slices.py's [slicing must not change the values])."""
+    sliced = {id(p) for module in ([only] if only is not None else sliced_modules(model, plan))
+              for p in module.parameters()}
     names = {id(p): name for name, p in model.named_parameters()}
     return [(index, names.get(id(p), f"parameter {index}")) for index, p in enumerate(model.parameters())
             if id(p) in sliced]
@@ -253,8 +278,7 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
             if moved is not None:  # put back by preserved_state: not all copied next to the parameters first
                 moved.remove(to_device=False)
     rounding = loss_head_parameters(model, plan) + sliced_parameters(model, plan)
-    groups = [[i for i, _ in sliced_parameters(model, plan, only=piece.block)]
-              for piece, _ in iter_blocks(plan.schedule) if piece.slices > 1]
+    groups = [[i for i, _ in sliced_parameters(model, plan, only=module)] for module in sliced_modules(model, plan)]
     equal, difference, relative = compare_gradients(grads, plain_grads, {index for index, _ in rounding}, groups)
     return VerifyReport(rounding_only=tuple(dict.fromkeys(name for _, name in rounding)),
                         rounding_relative_difference=relative,

@@ -31,6 +31,8 @@ class MenuOption:
     nested: bool = False  # costs.py's [pieces nested inside a block]
     slices: int = 1  # ... the block run in this many slices of the batch (its nested_slices)
     pieces: bool = True  # ... and its pieces nested inside it (its nested_pieces)
+    sliced_pieces: tuple[int, ...] = ()  # ... these of them in slices of the batch (its nested_sliced_pieces) ...
+    piece_slices: int = 1  # ... this many (its nested_piece_slices)
     recompute_extra_bytes: int = 0  # menu.py's [kept outputs wait for their op]: added to the backward peak
     offload: bool = False  # costs.py's [offloaded blocks]: run plainly, its saved activations in host memory
     host_bytes: int = 0  # ... the host bytes they take

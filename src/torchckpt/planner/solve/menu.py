@@ -136,7 +136,8 @@ def block_menu(block: BlockCosts) -> tuple[MenuOption, ...]:
     nested = () if not 0 <= block.nested_recompute_peak_bytes + block.nested_held_bytes < whole else (
         MenuOption(kept_ops=(), held_bytes=block.nested_held_bytes,  # pieces run once more, slices do not
                    recompute_s=(2 if block.nested_pieces else 1) * nothing.recompute_s, plain=False,
-                   nested=True, slices=block.nested_slices, pieces=block.nested_pieces),)
+                   nested=True, slices=block.nested_slices, pieces=block.nested_pieces,
+                   sliced_pieces=block.nested_sliced_pieces, piece_slices=block.nested_piece_slices),)
     every_op = sorted(block.ops, key=lambda op: op.index)
     middle = [replace(o, recompute_extra_bytes=_recompute_extra(every_op, o.kept_ops)) for o in middle]
     offload = () if not 0 <= block.offload_held_bytes < block.saved_bytes else (  # rule 5
