@@ -202,7 +202,8 @@ def markdown(results: dict[str, Any]) -> str:
                  format_bytes(int(allowed)) if allowed > 0 else "unreachable: the rest is over 0.6x"]
         lines.append(f"| {r['model']}{label} | " + " | ".join(cells) + " |")
     lines += ["", "## The plan at the floor, measured", "",
-              "| model | budget | predicted | measured | within | error | head | nested blocks | sliced blocks | "
+              "| model | budget | predicted | measured | within | error | head | nested blocks | "
+              "blocks in slices (or pieces) | "
               "gradients |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r, label, f in [(r, label, r[key]) for r in results["models"] for label, key in (
             ("", "at_floor"), (f" + batch slices ({BATCH_SLICES})", "at_sliced_floor"))] + [

@@ -19,7 +19,7 @@ from torchckpt.models import gpt
 from torchckpt.planner.batch_slices import sliceable_blocks
 from torchckpt.planner.blocks import block_pieces
 from torchckpt.planner.from_costs import floor_over_options, plan_pieces
-from torchckpt.planner.plan import Plan
+from torchckpt.planner.plan import Plan, PlanMismatchError
 from torchckpt.planner.runner import StepRunner
 from torchckpt.planner.solve import Single, block_menu, evaluate
 from torchckpt.planner.verify import compare_gradients, loss_head_parameters
@@ -272,6 +272,24 @@ def test_a_refused_blocks_pieces_are_checked_on_their_own_inputs() -> None:
     with pytest.raises(ValueError, match="one list per block"):
         sliceable_blocks(runner, list(blocks), 2, [[]])
 
+    class Mixing(nn.Linear):
+        def forward(self, x: torch.Tensor, mix: bool = False) -> torch.Tensor:
+            y = super().forward(x)
+            return y + y.mean(0) if mix else y
+
+    class TwoCalls(nn.Module):  # its first piece mixes the batch on its first call only: one failure refuses it
+        def __init__(self) -> None:
+            super().__init__()
+            self.p, self.q = Mixing(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.q(self.p(self.p(x, mix=True))) + x.mean(0)
+
+    blocks = nn.Sequential(TwoCalls(), TwoCalls())
+    runner = StepRunner(blocks, (torch.randn(4, 3, 8),), loss_fn=lambda out: out.square().mean())
+    reasons = sliceable_blocks(runner, list(blocks), 2, [block_pieces(block) for block in blocks])
+    assert "outputs differ" in reasons[2] and reasons[3] == "", reasons
+
 
 def test_a_refused_blocks_exact_pieces_run_in_slices_within_budget() -> None:
     """A GPT with dropout on its residual branches: no block may run in slices, but its attention and MLP may, inside
@@ -298,3 +316,7 @@ def test_a_refused_blocks_exact_pieces_run_in_slices_within_budget() -> None:
     assert json.loads(text)["version"] == 6 and Plan.from_json(text) == plan
     with pytest.raises(ValueError, match="pieces run in slices only in a nested block"):
         dataclasses.replace(next(p for p in plan.schedule if p.sliced_pieces), nested=False)
+    edited = dataclasses.replace(plan, schedule=tuple(
+        dataclasses.replace(p, sliced_pieces=(9,)) if p.sliced_pieces else p for p in plan.schedule))
+    with pytest.raises(PlanMismatchError, match=r"runs pieces \[9\] of block blocks\.\d in slices, but it has 4"):
+        torchckpt.apply(model, edited)

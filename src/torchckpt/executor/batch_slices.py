@@ -56,7 +56,7 @@ def sliced_checkpoint(fn: Callable[..., Any], *args: Any, slices: int, policy: P
         torch.Size([6, 8])
     """
     if batch and args and isinstance(args[0], torch.Tensor) and args[0].dim() and args[0].shape[0] != batch:
-        warnings.warn(f"a block planned to run in slices of a batch of {batch} got a batch of {args[0].shape[0]}: it "
+        warnings.warn(f"a call planned to run in slices of a batch of {batch} got a batch of {args[0].shape[0]}: it "
                       "runs unsliced (exact, but its recomputation holds the whole batch; the plan's peak was "
                       "predicted for the planned batch)", UserWarning, stacklevel=2)
         return checkpoint(fn, *args, policy=policy, **kwargs)

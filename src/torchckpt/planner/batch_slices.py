@@ -83,7 +83,8 @@ def sliceable_blocks(runner: StepRunner, blocks: list[nn.Module], slices: int,
         raise ValueError(f"pieces: give one list per block ({len(blocks)}); got {len(pieces)}")
     owner = [None] * len(blocks) + [i for i, inside in enumerate(pieces) for _ in inside]
     modules = [*blocks, *(piece for inside in pieces for piece in inside)]
-    reasons = ["not reached by the forward pass"] * len(modules)
+    unreached = "not reached by the forward pass"
+    reasons = [unreached] * len(modules)
     batches = [0] * len(blocks)  # each block's batch, as its pieces must see it (the plan slices them so)
     checking = [False]
 
@@ -92,9 +93,14 @@ def sliceable_blocks(runner: StepRunner, blocks: list[nn.Module], slices: int,
             block = owner[index]
             if checking[0] or (block is not None and not reasons[block]):  # a sliced block's pieces run whole
                 return
+            if reasons[index] not in ("", unreached):  # a module called again keeps the failure of any call
+                return
             first = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else 0
             if block is None:
                 batches[index] = first
+            elif not first:
+                reasons[index] = "it is called without a tensor with a batch dimension as its first positional argument"
+                return
             elif first != batches[block]:
                 reasons[index] = (f"its first argument's first dimension ({first}) is not its block's batch "
                                   f"({batches[block]})")

@@ -107,18 +107,26 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
             with contextlib.ExitStack() as stack:
                 stack.enter_context(checkpoint_modules([b for i, b in enumerate(block_list) if i not in sliced],
                                                        policy="nothing_saveable"))
+                # measured as apply_plan runs them: sliced only at the profiled batch (executor/batch_slices.py)
+                batch = [trace.input_shape[0] if trace.input_shape else 0 for trace in recomputed.traces]
                 if sliced:
-                    stack.enter_context(_in_slices([block_list[i] for i in sliced], batch_slices))
-                in_slices = [block_pieces(block_list[i])[j] for i, exact in sliced_pieces.items() for j in exact]
+                    stack.enter_context(_in_slices([(block_list[i], batch[i]) for i in sliced], batch_slices))
+                in_slices = [(block_pieces(block_list[i])[j], batch[i]) for i, exact in sliced_pieces.items()
+                             for j in exact]
                 if children:
-                    stack.enter_context(checkpoint_modules([c for c in children if not any(c is p for p in in_slices)],
-                                                           policy="nothing_saveable"))
+                    stack.enter_context(checkpoint_modules(
+                        [c for c in children if not any(c is p for p, _ in in_slices)], policy="nothing_saveable"))
                     stack.enter_context(_in_slices(in_slices, batch_slices))
                 chunked = stack.enter_context(chunked_for_profiling(head)) if head is not None else None
                 stack.enter_context(block_ticks(block_list))  # _progress.py's [reported per phase, never per op]
                 probe = measure_step(runner, block_list, record_ops=False)
         except Exception as error:  # noqa: BLE001 - the optional pieces only lose their option
             runner.clear_grads()
+            if sliced_pieces:  # the pieces in slices lose their option first; the pieces stay nested, whole
+                notes["batch slices"] += (f"; the step with pieces in slices failed ({type(error).__name__}: "
+                                          f"{str(error)[:200]}), so they run whole")
+                sliced_pieces = {}
+                continue
             if not children and not sliced:
                 raise
             what_failed = "pieces" if children else "batch slices"
@@ -168,12 +176,13 @@ def _chunked_step_extra_s(runner: StepRunner, head: nn.Module, plain_step_s: flo
 
 
 @contextlib.contextmanager
-def _in_slices(blocks: list[nn.Module], slices: int) -> Iterator[None]:
-    """``blocks`` checkpointed keeping nothing, each in ``slices`` slices of the batch, until exit."""
+def _in_slices(modules: list[tuple[nn.Module, int]], slices: int) -> Iterator[None]:
+    """Each of ``modules`` (module, the batch it was checked at) checkpointed keeping nothing, in ``slices`` slices
+    of that batch, until exit."""
     wrapped: list[nn.Module] = []
-    for block in blocks:
-        wrap_forward(block, functools.partial(sliced_checkpoint, block.forward, slices=slices,
-                                              policy="nothing_saveable"), wrapped)
+    for module, batch in modules:
+        wrap_forward(module, functools.partial(sliced_checkpoint, module.forward, slices=slices, batch=batch,
+                                               policy="nothing_saveable"), wrapped)
     try:
         yield
     finally:

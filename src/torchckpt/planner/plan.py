@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 from torchckpt._units import check_index, format_bytes
 from torchckpt.executor.compiled import uncompiled
 from torchckpt.executor.policies import parse_occurrence
-from torchckpt.planner.blocks import describe_paths, own_type, structure_key
+from torchckpt.planner.blocks import block_pieces, describe_paths, own_type, structure_key
 
 __all__ = ["Plan", "PlanMismatchError", "PlanPiece", "PlannedBlock", "PlannedRegion", "fingerprint",
            "iter_blocks"]
@@ -378,6 +378,12 @@ class Plan:
                     f"this plan was made for a different {key}: the plan has {self.fingerprint.get(key)!r}, the model "
                     f"and inputs given have {found[key]!r}; "
                     "make a new plan with torchckpt.plan(model, inputs, budget=...)")
+        for piece, _ in iter_blocks(self.schedule):
+            count = len(block_pieces(model.get_submodule(self.block_paths[piece.block]))) if piece.sliced_pieces else 0
+            if piece.sliced_pieces and max(piece.sliced_pieces) >= count:
+                raise PlanMismatchError(f"this plan runs pieces {list(piece.sliced_pieces)} of block "
+                                        f"{self.block_paths[piece.block]} in slices, but it has {count} pieces; make "
+                                        "a new plan with torchckpt.plan(model, inputs, budget=...)")
 
     def to_json(self) -> str:
         """JSON text (round-trips exactly through :meth:`from_json`)."""
