@@ -56,3 +56,19 @@ def test_progress_overhead_quick_writes_both_modes(tmp_path: Path) -> None:
     for row in cases.values():
         assert row["on"]["wall_s"]["median"] > 0 and row["off"]["wall_s"]["median"] > 0
     assert set(cases["profile"]["on"]) == {"wall_s", "step_time_s", "every_block_step_time_s"}
+
+
+def test_state_throughput_small_run_records_every_issue_29_ratio(tmp_path: Path) -> None:
+    """docs/state.md's command for the issue-29 ratios (bench/state/bench_throughput.py), at 8 MB and one repeat
+    (~6 s): it writes every ratio it reports, each with its value and target."""
+    import json
+
+    out = tmp_path / "throughput.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "state" / "bench_throughput.py"), "--mb", "8",
+                           "--repeats", "1", "--methods", "raw,torch,torchckpt", "--tiny", "1000", "--dir",
+                           str(tmp_path), "--out", str(out)], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ratios = {row["ratio"]: row for row in json.loads(out.read_text())["against_torch"]}
+    assert {"restore verify=full / torch.load (time)", "sync save / torch.save (time)",
+            "tiny tensors: restore / torch.load (time)"} <= set(ratios), sorted(ratios)
+    assert all(row["value"] == row["value"] and row["target"] for row in ratios.values()), ratios  # no NaN
