@@ -320,3 +320,28 @@ def test_a_refused_blocks_exact_pieces_run_in_slices_within_budget() -> None:
         dataclasses.replace(p, sliced_pieces=(9,)) if p.sliced_pieces else p for p in plan.schedule))
     with pytest.raises(PlanMismatchError, match=r"runs pieces \[9\] of block blocks\.\d in slices, but it has 4"):
         torchckpt.apply(model, edited)
+
+
+def test_a_compiled_model_is_planned_without_nested_pieces_or_slices_and_refuses_them() -> None:
+    """executor/compiled.py's [checkpoints nested or sliced are planned for eager runs]."""
+    torch.manual_seed(0)
+    model = gpt("tiny", dropout=0.1)
+    batch = model.example_batch(batch_size=8, seq_len=32)
+    eager = torchckpt.profile(model, batch, batch_slices=2, loss_head=False)
+    plan = eager.plan(_floor(eager))
+    assert any(piece.nested for piece in plan.schedule), plan.table()
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.raises(ValueError, match="planned for eager runs only.*plan the compiled model"):
+        torchckpt.apply(compiled, plan)
+    model.blocks[0].compile(backend="aot_eager")  # compiled in place
+    try:
+        with pytest.raises(ValueError, match="planned for eager runs only"):
+            torchckpt.apply(model, plan)
+    finally:
+        model.blocks[0]._compiled_call_impl = None
+    costs = torchckpt.profile(compiled, batch, batch_slices=2, loss_head=False)
+    assert costs.notes["pieces"].startswith("no: the model is compiled"), costs.notes
+    assert costs.notes["batch slices"].startswith("no: the model is compiled"), costs.notes
+    assert all(block.nested_recompute_peak_bytes == -1 for block in costs.blocks)
+    handle = torchckpt.apply(compiled, costs.plan(_floor(costs)))  # a plan without them applies
+    handle.remove()

@@ -72,8 +72,16 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from torchckpt.executor.policies import OpInfo, Policy, can_keep, op_name, policy_by_key
 
-__all__ = ["SideEffectsOnce", "checkpoint_while_compiling", "eager_measurement", "is_compiled_module", "sac_contexts",
-           "uncompiled"]
+__all__ = ["EAGER_ONLY", "SideEffectsOnce", "any_compiled", "checkpoint_while_compiling", "eager_measurement",
+           "is_compiled_module", "sac_contexts", "uncompiled"]
+
+EAGER_ONLY = ("is planned for eager runs only: torch.compile's partitioner decides what a checkpoint nested in "
+              "another, or one per slice of the batch, recomputes (on a compiled gpt tiny a plan with pieces "
+              "nested peaked as one recomputing every block whole, 22% over its budget)")
+"""Note: [checkpoints nested or sliced are planned for eager runs]: why ``apply`` refuses a plan with nested pieces
+or slices of the batch on a compiled model, and why a compiled model's profile leaves them out
+(planner/options_step.py). Dynamo turns an error raised while it traces into a fallback to eager for that frame,
+so a plan applied first and compiled after cannot be refused when it is traced; docs/planner.md says so."""
 
 
 class SideEffectsOnce:
@@ -135,6 +143,19 @@ def uncompiled(module: nn.Module) -> nn.Module:
         assert isinstance(original, nn.Module)  # is_compiled_module checked it
         module = original
     return module
+
+
+def any_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` or any module inside it is compiled: made by ``torch.compile(module)``, or compiled in
+    place (``module.compile()``).
+
+    Example:
+        >>> layer = nn.Sequential(nn.Linear(2, 2))
+        >>> any_compiled(layer), any_compiled(torch.compile(layer))
+        (False, True)
+    """
+    return is_compiled_module(module) or any(
+        is_compiled_module(m) or getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
 
 
 @contextmanager

@@ -16,7 +16,7 @@ from torch import nn
 
 from torchckpt.executor import CheckpointHandle, checkpoint, save_ops, wrap_forward
 from torchckpt.executor.batch_slices import sliced_checkpoint
-from torchckpt.executor.compiled import is_compiled_module, uncompiled
+from torchckpt.executor.compiled import EAGER_ONLY, any_compiled, is_compiled_module, uncompiled
 from torchckpt.executor.kv_cache import disable_kv_cache
 from torchckpt.executor.loss_head import ChunkedHeadHandle
 from torchckpt.executor.offload import Offloader
@@ -25,7 +25,7 @@ from torchckpt.executor.optimizer_offload import OptimizerOffload, state_offload
 from torchckpt.memory.meter import device_of
 from torchckpt.planner.blocks import block_pieces, positional_form
 from torchckpt.planner.layout import LayoutWatch, fsdp_units_among
-from torchckpt.planner.plan import Plan, PlannedBlock, PlannedRegion, PlanPiece
+from torchckpt.planner.plan import Plan, PlannedBlock, PlannedRegion, PlanPiece, iter_blocks
 
 __all__ = ["apply_plan", "wrap_region"]
 
@@ -67,6 +67,12 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
         raise ValueError("this plan offloads blocks' activations to host memory, which runs eagerly only (its "
                          "saved-tensor hooks do not run inside compiled graphs): apply it to the model before "
                          "torch.compile, or make a plan with offload=False")
+    eager = [piece for piece, _ in iter_blocks(plan.schedule) if piece.nested or piece.slices > 1]
+    if eager and any_compiled(model):  # compiled.py's [checkpoints nested or sliced are planned for eager runs]
+        raise ValueError(f"this plan has blocks with their pieces nested or run in slices of the batch, which "
+                         f"{EAGER_ONLY}: apply it to a model that is not compiled and run it without torch.compile, "
+                         "or plan the compiled model (torchckpt.plan(torch.compile(model), ...) leaves these "
+                         "options out)")
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     plan.check_fits(model)
     if plan.optimizer_in_backward and optimizer is None:

@@ -22,6 +22,7 @@ from torchckpt._progress import block_ticks
 from torchckpt._units import format_bytes
 from torchckpt.executor import CheckpointHandle, checkpoint_modules, wrap_forward
 from torchckpt.executor.batch_slices import sliced_checkpoint
+from torchckpt.executor.compiled import EAGER_ONLY
 from torchckpt.planner.batch_slices import sliceable_blocks
 from torchckpt.planner.blocks import block_pieces
 from torchckpt.planner.distributed import agree_flag
@@ -41,14 +42,15 @@ least this share of every block's measured peak at the end of the forward pass."
 
 def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: ChainCosts, recomputed: Probe,
                     say: Callable[[str], None], group: Any, loss_head: bool | str, pieces: bool,
-                    batch_slices: int = 1) -> ChainCosts:
+                    batch_slices: int = 1, compiled: bool = False) -> ChainCosts:
     """One measured step for the plan options below every block, each where it applies: every block checkpointed
     with its pieces nested (costs.py's [pieces nested inside a block]) and the loss head in chunks (planner/head.py);
     one step for both, as neither changes what the other measures beyond what is accounted (the pieces' extra
     held bytes count as held at the head). A step that fails with the pieces nested is run again without them.
     With ``batch_slices`` k > 1 (one process), the blocks measured exact in k slices of the batch
     (planner/batch_slices.py's [only blocks measured exact are sliced]) run so in that step, their pieces not
-    nested, and their nested option is the sliced one (``BlockCosts.nested_slices``).
+    nested, and their nested option is the sliced one (``BlockCosts.nested_slices``). For a ``compiled`` model
+    neither pieces nor slices are measured (executor/compiled.py's [checkpoints nested or sliced run eagerly only]).
 
     Example (``profile`` runs it as its last step):
         >>> from torchckpt.models import gpt
@@ -58,14 +60,19 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
         >>> costs.blocks[0].nested_recompute_peak_bytes >= 0, sorted(costs.loss_head)
         (True, ['chunk_tokens', 'extra_time_s', 'head_bytes', 'path'])
     """
-    children = [piece for block in block_list for piece in block_pieces(block)] if pieces and group is None else []
+    children = [piece for block in block_list for piece in block_pieces(block)] \
+        if pieces and group is None and not compiled else []
     notes = dict(costs.notes)
     if pieces and group is not None:
         notes["pieces"] = "no: not planned under DDP or FSDP2 yet"
+    elif pieces and compiled:
+        notes["pieces"] = f"no: the model is compiled, and a block's pieces nested {EAGER_ONLY}"
     sliced: list[int] = []
     sliced_pieces: dict[int, tuple[int, ...]] = {}  # batch_slices.py's [a refused block's pieces may run in slices]
     if batch_slices > 1 and group is not None:
         notes["batch slices"] = "no: not planned under DDP or FSDP2 yet"
+    elif batch_slices > 1 and compiled:
+        notes["batch slices"] = f"no: the model is compiled, and a block in slices of the batch {EAGER_ONLY}"
     elif batch_slices > 1:
         say(f"checking which blocks give the same outputs in {batch_slices} slices of the batch")
         per_block = [[p for p in block_pieces(block) if _worth_slicing(p)] if children else [] for block in block_list]

@@ -79,7 +79,7 @@ from torch import nn
 from torchckpt._host import paused_gc, preserved_state
 from torchckpt._progress import block_ticks, phase, phases_to
 from torchckpt.executor import CheckpointHandle, checkpoint_modules
-from torchckpt.executor.compiled import eager_measurement, is_compiled_module, uncompiled
+from torchckpt.executor.compiled import any_compiled, eager_measurement, uncompiled
 from torchckpt.executor.kv_cache import kv_cache_off
 from torchckpt.memory import MemoryMeter
 from torchckpt.planner import solve as solver
@@ -182,11 +182,13 @@ def profile(
         >>> len(costs.blocks), costs.blocks[0].input_bytes
         (2, 8192)
     """
+    compiled = any_compiled(model)  # before the original is taken below
     offload_options = {"offload": offload, "host_budget": check_offload_args(offload, host_budget),
-                       "compiled": is_compiled_module(model)}
+                       "compiled": compiled}
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     check_loss_head_arg(model, loss_head)
-    options = {"loss_head": loss_head, "pieces": pieces, "batch_slices": check_batch_slices(batch_slices)}
+    options = {"loss_head": loss_head, "pieces": pieces, "batch_slices": check_batch_slices(batch_slices),
+               "compiled": compiled}
     check_optimizer_options(optimizer, optimizer_in_backward=optimizer_in_backward,
                             optimizer_offload=optimizer_offload, micro_batches=micro_batches, batch_slices=batch_slices)
     group = process_group_of(model)  # planner/distributed.py's [a distributed model is planned by all its ranks]
