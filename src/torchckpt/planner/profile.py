@@ -183,7 +183,7 @@ def profile(
         (2, 8192)
     """
     compiled = any_compiled(model)  # before the original is taken below
-    offload_options = {"offload": offload, "host_budget": check_offload_args(offload, host_budget), "compiled": compiled}
+    offload_options = dict(offload=offload, compiled=compiled, host_budget=check_offload_args(offload, host_budget))
     model = uncompiled(model)  # Note: [a compiled model is planned through its original]
     check_loss_head_arg(model, loss_head)
     options = {"loss_head": loss_head, "pieces": pieces, "batch_slices": check_batch_slices(batch_slices),
