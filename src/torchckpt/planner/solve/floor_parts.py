@@ -101,7 +101,8 @@ def floor_parts(chain: Chain, schedule: Sequence[Piece], margin_bytes: int) -> t
     sliced = any(block.nested_slices > 1 for block in costs.blocks)
     if activations > 0 and not sliced and "batch slices" not in costs.notes and "engine" not in costs.notes:
         levers.append("batch_slices=k (plan(..., batch_slices=4)): each block whose outputs are exact in slices of the "
-                      "batch is recomputed one slice at a time (its weights' gradients then equal to rounding)")
+                      "batch, or else its pieces that are (its attention, its MLP), is recomputed one slice at a time "
+                      "(their weights' gradients then equal to rounding)")
     engine = costs.notes.get("engine")  # set by a distributed profile
     if engine == "FSDP2":  # already sharded: more processes shard further
         levers.append("more processes to shard over (each holds 1/N of parameters, gradients and optimizer state)")
