@@ -77,7 +77,7 @@ __all__ = ["EAGER_ONLY", "SideEffectsOnce", "any_compiled", "checkpoint_while_co
 
 EAGER_ONLY = ("is planned for eager runs only: torch.compile's partitioner decides what a checkpoint nested in "
               "another, or one per slice of the batch, recomputes (on a compiled gpt tiny a plan with pieces "
-              "nested peaked as one recomputing every block whole, 22% over its budget)")
+              "nested peaked as one recomputing every block whole, over its budget)")
 """Note: [checkpoints nested or sliced are planned for eager runs]: why ``apply`` refuses a plan with nested pieces
 or slices of the batch on a compiled model, and why a compiled model's profile leaves them out
 (planner/options_step.py). Dynamo turns an error raised while it traces into a fallback to eager for that frame,
