@@ -327,7 +327,7 @@ def test_a_refused_blocks_exact_pieces_run_in_slices_within_budget() -> None:
 
 
 def test_a_compiled_model_is_planned_without_nested_pieces_or_slices_and_refuses_them() -> None:
-    """executor/compiled.py's [checkpoints nested or sliced are planned for eager runs]."""
+    """Note: [checkpoints nested or sliced are planned for eager runs]."""
     torch.manual_seed(0)
     model = gpt("tiny", dropout=0.1)
     batch = model.example_batch(batch_size=8, seq_len=32)

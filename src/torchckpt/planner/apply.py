@@ -68,7 +68,8 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
                          "saved-tensor hooks do not run inside compiled graphs): apply it to the model before "
                          "torch.compile, or make a plan with offload=False")
     eager = [piece for piece, _ in iter_blocks(plan.schedule) if piece.nested or piece.slices > 1]
-    if eager and any_compiled(model):  # compiled.py's [checkpoints nested or sliced are planned for eager runs]
+    # Note: [checkpoints nested or sliced are planned for eager runs]
+    if eager and any_compiled(model):
         raise ValueError(f"this plan has blocks with their pieces nested or run in slices of the batch, which "
                          f"{EAGER_ONLY}: apply it to a model that is not compiled and run it without torch.compile, "
                          "or plan the compiled model (torchckpt.plan(torch.compile(model), ...) leaves these "
@@ -104,7 +105,8 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
                 call = functools.partial(checkpoint, block.forward, policy=policy)
             wrap_forward(block, call, wrapped)
             if piece.nested:  # costs.py's [pieces nested inside a block]
-                for j, child in enumerate(block_pieces(block)):  # batch_slices.py's [a refused block's pieces ...]
+                # planner/batch_slices.py's [a refused block's pieces may run in slices]
+                for j, child in enumerate(block_pieces(block)):
                     call = functools.partial(sliced_checkpoint, child.forward, slices=piece.piece_slices,
                                              batch=piece.slice_batch) if j in piece.sliced_pieces else \
                         functools.partial(checkpoint, child.forward)

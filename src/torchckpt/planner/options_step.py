@@ -50,7 +50,7 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
     With ``batch_slices`` k > 1 (one process), the blocks measured exact in k slices of the batch
     (planner/batch_slices.py's [only blocks measured exact are sliced]) run so in that step, their pieces not
     nested, and their nested option is the sliced one (``BlockCosts.nested_slices``). For a ``compiled`` model
-    neither pieces nor slices are measured (executor/compiled.py's [checkpoints nested or sliced run eagerly only]).
+    neither pieces nor slices are measured (Note: [checkpoints nested or sliced are planned for eager runs]).
 
     Example (``profile`` runs it as its last step):
         >>> from torchckpt.models import gpt
@@ -68,7 +68,8 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
     elif pieces and compiled:
         notes["pieces"] = f"no: the model is compiled, and a block's pieces nested {EAGER_ONLY}"
     sliced: list[int] = []
-    sliced_pieces: dict[int, tuple[int, ...]] = {}  # batch_slices.py's [a refused block's pieces may run in slices]
+    # planner/batch_slices.py's [a refused block's pieces may run in slices]
+    sliced_pieces: dict[int, tuple[int, ...]] = {}
     if batch_slices > 1 and group is not None:
         notes["batch slices"] = "no: not planned under DDP or FSDP2 yet"
     elif batch_slices > 1 and compiled:
@@ -166,11 +167,12 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
 
 
 def _worth_slicing(piece: nn.Module) -> bool:
-    """Whether a piece of a refused block is checked for slices (batch_slices.py's [a refused block's pieces may run
-    in slices]): one with a weight matrix (attention, an MLP, a convolution), not a norm. A norm's activations are
-    the size of its input, so slices save little there, and its gradients are per-feature sums over every token,
-    where a sum made slice by slice rounds most against the piece's own scale (measured on the project's GPT small
-    at 8 x 512: LayerNorm biases 3.4e-6 relative, within 0.4e-6 of verify.ROUNDING_EPS_FACTOR's tolerance)."""
+    """Whether a piece of a refused block is checked for slices (planner/batch_slices.py's
+    [a refused block's pieces may run in slices]): one with a weight matrix (attention, an MLP, a convolution),
+    not a norm. A norm's activations are the size of its input, so slices save little there, and its gradients
+    are per-feature sums over every token, where a sum made slice by slice rounds most against the piece's own
+    scale (measured on the project's GPT small at 8 x 512: LayerNorm biases 3.4e-6 relative, within 0.4e-6 of
+    verify.ROUNDING_EPS_FACTOR's tolerance)."""
     return any(parameter.dim() >= 2 for parameter in piece.parameters())
 
 

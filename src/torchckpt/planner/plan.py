@@ -75,8 +75,9 @@ class PlannedBlock:
     slices: int = 1  # run in this many slices of the batch, keeping nothing (executor/batch_slices.py)
     slice_batch: int = 0  # ... of a batch this large (as profiled); another batch runs unsliced, with a warning
     offload: bool = False  # run plainly, its saved activations in host memory (costs.py's [offloaded blocks])
+    # planner/batch_slices.py's [a refused block's pieces may run in slices]:
     sliced_pieces: tuple[int, ...] = ()  # nested: these of its pieces (blocks.block_pieces) run in slices ...
-    piece_slices: int = 1  # ... this many, of a batch of slice_batch (planner/batch_slices.py's [a refused ...])
+    piece_slices: int = 1  # ... this many, of a batch of slice_batch
 
     def __post_init__(self) -> None:
         check_index("PlannedBlock.block", self.block)

@@ -61,7 +61,8 @@ def floor_parts(chain: Chain, schedule: Sequence[Piece], margin_bytes: int) -> t
         optimizer_in_backward=True)) frees each gradient as soon as it is applied (the gradients are 60 B in all);
         a smaller batch, or the same batch as micro-batches (plan(..., micro_batches=k)): 24 B of it are
         activations; batch_slices=k (plan(..., batch_slices=4)): each block whose outputs are exact in slices of the
-        batch is recomputed one slice at a time (its weights' gradients then equal to rounding); sharding
+        batch, or else its pieces that are (its attention, its MLP), is recomputed one slice at a time (their
+        weights' gradients then equal to rounding); sharding
         parameters, gradients and optimizer state (FSDP/ZeRO); offload=True (plan(..., offload=True)): blocks may
         keep their saved activations in host memory instead of recomputing them.
     """
