@@ -11,7 +11,7 @@ from outside_models import case_for
 
 import torchckpt
 from torchckpt.planner import InfeasibleBudgetError
-from torchckpt.planner.verify import loss_head_parameters, sliced_parameters
+from torchckpt.planner.verify import loss_head_parameters, sliced_modules, sliced_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,5 +31,6 @@ def test_exact_pieces_of_refused_blocks_plan_within_budget(name: str) -> None:
     report = torchckpt.verify_plan(model, plan, case.inputs, loss_fn=case.loss_fn)
     assert report.within_budget and abs(report.prediction_error) <= 0.01, report
     assert report.gradients_equal and report.buffers_equal, (report, report.first_differing_buffer)
-    allowed = {name for _, name in sliced_parameters(model, plan) + loss_head_parameters(model, plan)}
+    named = sliced_parameters(model, sliced_modules(model, plan)) + loss_head_parameters(model, plan)
+    allowed = {name for _, name in named}
     assert set(report.rounding_only) <= allowed, (report.rounding_only, allowed)

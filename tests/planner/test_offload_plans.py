@@ -109,6 +109,12 @@ def test_a_compiled_model_is_refused_with_the_fix() -> None:
     compiled = torch.compile(model, backend="eager")
     with pytest.raises(ValueError, match="before torch.compile"):
         torchckpt.plan(compiled, model.example_batch(batch_size=2, seq_len=8), budget="50%", offload=True)
+    model.blocks[1].compile(backend="eager")  # one block compiled in place: its hooks would not run either
+    try:
+        with pytest.raises(ValueError, match="before torch.compile"):
+            torchckpt.plan(model, model.example_batch(batch_size=2, seq_len=8), budget="50%", offload=True)
+    finally:
+        model.blocks[1]._compiled_call_impl = None
 
 
 def test_offload_is_left_out_inside_regions_and_priced_by_the_solver() -> None:

@@ -16,7 +16,7 @@ from torch import nn
 
 from torchckpt.executor import CheckpointHandle, checkpoint, save_ops, wrap_forward
 from torchckpt.executor.batch_slices import sliced_checkpoint
-from torchckpt.executor.compiled import EAGER_ONLY, any_compiled, is_compiled_module, uncompiled
+from torchckpt.executor.compiled import EAGER_ONLY, any_compiled, uncompiled
 from torchckpt.executor.kv_cache import disable_kv_cache
 from torchckpt.executor.loss_head import ChunkedHeadHandle
 from torchckpt.executor.offload import Offloader
@@ -63,13 +63,14 @@ def apply_plan(model: nn.Module, plan: Plan, optimizer: torch.optim.Optimizer | 
         raise TypeError(f"apply_plan: expected a torchckpt Plan; got {type(plan).__name__} "
                         "(make one with torchckpt.plan(model, inputs, budget=...) or Plan.load(path))")
     offloaded = [piece for piece in plan.schedule if isinstance(piece, PlannedBlock) and piece.offload]
-    if offloaded and is_compiled_module(model):
+    compiled = any_compiled(model)  # torch.compile(model), or blocks compiled one by one or in place
+    if offloaded and compiled:
         raise ValueError("this plan offloads blocks' activations to host memory, which runs eagerly only (its "
                          "saved-tensor hooks do not run inside compiled graphs): apply it to the model before "
                          "torch.compile, or make a plan with offload=False")
     eager = [piece for piece, _ in iter_blocks(plan.schedule) if piece.nested or piece.slices > 1]
     # Note: [checkpoints nested or sliced are planned for eager runs]
-    if eager and any_compiled(model):
+    if eager and compiled:
         raise ValueError(f"this plan has blocks with their pieces nested or run in slices of the batch, which "
                          f"{EAGER_ONLY}: apply it to a model that is not compiled and run it without torch.compile, "
                          "or plan the compiled model (torchckpt.plan(torch.compile(model), ...) leaves these "

@@ -16,7 +16,7 @@ from torch import nn
 
 from torchckpt._progress import phase
 from torchckpt._units import parse_bytes, parse_percent
-from torchckpt.executor.compiled import is_compiled_module, uncompiled
+from torchckpt.executor.compiled import any_compiled, uncompiled
 from torchckpt.planner.batch_slices import check_batch_slices
 from torchckpt.planner.from_costs import check_margin_form, plan_from_costs
 from torchckpt.planner.offload_step import check_offload_args
@@ -105,7 +105,7 @@ def plan(model: nn.Module, example_inputs: tuple | dict, budget: int | str, *,
     check_offload_args(offload, host_budget)
     check_optimizer_options(optimizer, optimizer_in_backward=optimizer_in_backward, optimizer_offload=optimizer_offload,
                             micro_batches=micro_batches, batch_slices=batch_slices)
-    if offload and is_compiled_module(model):
+    if offload and any_compiled(model):
         raise ValueError("offload=True plans run eagerly only (saved-tensor hooks do not run inside compiled "
                          "graphs): plan the model before torch.compile, or plan with offload=False")
     # the blocks as profiled: "auto" is taken in the order the blocks run (profile's rule)

@@ -109,14 +109,14 @@ def measure_options(runner: StepRunner, block_list: list[nn.Module], costs: Chai
                                              (f"the loss head ({path}) in chunks", head is not None)) if on)
     say(f"profiling step 6: every block recomputed, with {what}")
     base, rejected = costs, None
+    # measured as apply_plan runs them: sliced only at the profiled batch (executor/batch_slices.py)
+    batch = [trace.input_shape[0] if trace.input_shape else 0 for trace in recomputed.traces]
     while True:
         runner.clear_grads()
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(checkpoint_modules([b for i, b in enumerate(block_list) if i not in sliced],
                                                        policy="nothing_saveable"))
-                # measured as apply_plan runs them: sliced only at the profiled batch (executor/batch_slices.py)
-                batch = [trace.input_shape[0] if trace.input_shape else 0 for trace in recomputed.traces]
                 if sliced:
                     stack.enter_context(_in_slices([(block_list[i], batch[i]) for i in sliced], batch_slices))
                 in_slices = [(block_pieces(block_list[i])[j], batch[i]) for i, exact in sliced_pieces.items()

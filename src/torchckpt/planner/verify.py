@@ -11,7 +11,7 @@ gradients and modes come back as they were (``_host.preserved_state``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,16 +206,15 @@ def sliced_modules(model: nn.Module, plan: Plan) -> list[nn.Module]:
             found.append(block)
         elif piece.sliced_pieces:
             inside = block_pieces(block)
-            found.extend(inside[j] for j in piece.sliced_pieces if j < len(inside))
+            found.extend(inside[j] for j in piece.sliced_pieces)  # in range: apply's check_fits
     return found
 
 
-def sliced_parameters(model: nn.Module, plan: Plan, only: nn.Module | None = None) -> list[tuple[int, str]]:
-    """(index in ``parameters()``, name) of the parameters of the modules the plan runs in slices of the batch
-    (``sliced_modules``; of ``only``, if given): their gradients are summed slice by slice
-    (executor/batch_slices.py's [slicing must not change the values])."""
-    sliced = {id(p) for module in ([only] if only is not None else sliced_modules(model, plan))
-              for p in module.parameters()}
+def sliced_parameters(model: nn.Module, modules: Sequence[nn.Module]) -> list[tuple[int, str]]:
+    """(index in ``parameters()``, name) of the parameters of ``modules`` (those a plan runs in slices of the batch:
+    ``sliced_modules``): their gradients are summed slice by slice (executor/batch_slices.py's [slicing must not
+    change the values])."""
+    sliced = {id(p) for module in modules for p in module.parameters()}
     names = {id(p): name for name, p in model.named_parameters()}
     return [(index, names.get(id(p), f"parameter {index}")) for index, p in enumerate(model.parameters())
             if id(p) in sliced]
@@ -277,8 +276,9 @@ def verify_plan(model: nn.Module, plan: Plan, example_inputs: tuple | dict, *,
             moved = state_offload_of(optimizer) if optimizer is not None and plan.optimizer_offload else None
             if moved is not None:  # put back by preserved_state: not all copied next to the parameters first
                 moved.remove(to_device=False)
-    rounding = loss_head_parameters(model, plan) + sliced_parameters(model, plan)
-    groups = [[i for i, _ in sliced_parameters(model, plan, only=module)] for module in sliced_modules(model, plan)]
+    sliced = sliced_modules(model, plan)
+    rounding = loss_head_parameters(model, plan) + sliced_parameters(model, sliced)
+    groups = [[i for i, _ in sliced_parameters(model, [module])] for module in sliced]
     equal, difference, relative = compare_gradients(grads, plain_grads, {index for index, _ in rounding}, groups)
     return VerifyReport(rounding_only=tuple(dict.fromkeys(name for _, name in rounding)),
                         rounding_relative_difference=relative,
