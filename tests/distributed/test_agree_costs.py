@@ -62,3 +62,37 @@ def test_ranks_that_measured_another_model_are_named(two_ranks) -> None:
     for result in results:
         assert "ranks [1] profiled a different model from rank 0" in result["error"]
         assert "Fix:" in result["error"]
+
+
+def _plan_on_rank_0(rank: int, port: int, out: str) -> None:
+    """torchtitan's recipe: rank 0 plans the unsharded model alone and sends the plan; the other waits for it."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import torchckpt
+    from torchckpt.models.registry import BatchShape, get_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    try:
+        sent: list = [None]
+        if rank == 0:
+            entry = get_model("hf-llama-tiny")
+            model, batch = entry.build(seed=0, shape=BatchShape(batch_size=4, seq_len=128))
+            sent = [torchckpt.plan(model, batch, budget="90%", blocks=entry.blocks(model)).to_json()]
+        dist.broadcast_object_list(sent, src=0)
+        with open(os.path.join(out, f"{rank}.json"), "w") as handle:
+            json.dump({"plan": sent[0]}, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_model_planned_by_one_rank_alone_takes_part_in_no_collective(two_ranks) -> None:
+    # the chunked loss head's timing vote (options_step.py) ran agree_flag with group None, an all_reduce over the
+    # whole world: rank 0 waited in it while rank 1 waited in the broadcast, until gloo's timeout
+    results = two_ranks(_plan_on_rank_0)
+    assert results[0] == results[1]
+    assert json.loads(results[0]["plan"])["loss_head"]["path"] == "lm_head"  # the path that voted is covered

@@ -1,6 +1,7 @@
 """torchtitan's order on real gloo ranks: a plan made on the unsharded model (and sent as JSON, as if loaded from a
 file) is applied, the blocks are compiled or not, then sharded with ``fully_shard``. The planned steps equal those
-of the same sharded model without the plan, bitwise, and the plan says it was made for another layout
+of the same sharded model without the plan, bitwise (a chunked loss head's weight gradient to rounding, as in one
+process: then the first step's gradients are compared, as the weights differ to rounding after it), and the plan says it was made for another layout
 (planner/layout.py's [a region over FSDP2 units runs block by block], [a plan names the layout it was made for])."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ MODELS = ["gpt-mini", "hf-llama-tiny"]  # the project's GPT and an HF decoder bu
     ("hand", False, MODELS),  # a plan with a region, read from JSON, no profiling
     pytest.param("hand", True, MODELS, marks=pytest.mark.slow),  # ... with torch.compile between apply and shard
     pytest.param("90%", False, MODELS, marks=pytest.mark.slow),  # a profiled plan
-    pytest.param("90%", True, ["gpt-mini"], marks=pytest.mark.slow)])  # ... compiled (HF Llama: see the report)
+    pytest.param("90%", True, MODELS, marks=pytest.mark.slow)])  # ... compiled
 def test_plan_applied_before_fully_shard_runs_bitwise(spawn_ranks, budget: str, compiled: bool,
                                                       models: list[str]) -> None:
     ranks = spawn_ranks(order_worker, 2, models, budget, compiled)

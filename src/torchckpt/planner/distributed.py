@@ -114,14 +114,15 @@ def collective_device(group: Any = None) -> torch.device:
 
 def agree_flag(value: bool, group: Any = None) -> bool:
     """True on every rank of ``group`` when ``value`` is True on every rank (a collective); ``value`` alone
-    without a process group.
+    without a process group (``group`` None, even where ``torch.distributed`` is initialised: a model planned by
+    one rank alone, as torchtitan's recipe plans on rank 0, takes part in no collective).
 
     Example:
         >>> agree_flag(True)
         True
     """
     dist = _distributed()
-    if dist is None:
+    if dist is None or group is None:
         return bool(value)
     flag = torch.tensor([1 if value else 0], dtype=torch.int32, device=collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
@@ -135,13 +136,14 @@ def same_outcome(action: Callable[[], T], group: Any = None) -> T:
     order): without this, the rank that raised would leave the others waiting in the next collective. A
     rank whose own ``action`` raised re-raises its error (a ``BlockOrderError`` only when every rank saw the
     same order, so a retry stays in step); the others raise ValueError naming the ranks and their errors.
+    Without a process group (``group`` None) it is ``action()`` alone, as for ``agree_flag``.
 
     Example:
         >>> same_outcome(lambda: 3)  # no process group
         3
     """
     dist = _distributed()
-    if dist is None:
+    if dist is None or group is None:
         return action()
     error: Exception | None = None
     result: Any = None
