@@ -1,8 +1,9 @@
 """torchtitan's order on real gloo ranks: a plan made on the unsharded model (and sent as JSON, as if loaded from a
 file) is applied, the blocks are compiled or not, then sharded with ``fully_shard``. The planned steps equal those
 of the same sharded model without the plan, bitwise (a chunked loss head's weight gradient to rounding, as in one
-process: then the first step's gradients are compared, as the weights differ to rounding after it), and the plan says it was made for another layout
-(planner/layout.py's [a region over FSDP2 units runs block by block], [a plan names the layout it was made for])."""
+process; the weights then differ to rounding after the first update, so only its gradients are compared), and
+the plan says it was made for another layout (planner/layout.py's [a region over FSDP2 units runs block by
+block], [a plan names the layout it was made for])."""
 
 from __future__ import annotations
 

@@ -218,6 +218,24 @@ def test_user_model_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert sorted(read_losses(tmp_path / "run")) == [1, 2]
 
 
+def test_optimizer_offload_trains_within_budget_and_losses_stay_bitwise(tmp_path: Path) -> None:
+    """The fast tier's `--optimizer-offload` run (the slow test below also lowers the floor with it and re-plans):
+    AdamW's state in host memory, trained within the budget, losses bitwise those of a run without it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    shape = {"size": "tiny", "batch_size": 2, "seq_len": 32, "steps": 2, "threads": 1, "budget": "100%"}
+    try:
+        offloaded = train(TrainConfig(**shape, optimizer_offload=True, dir=str(tmp_path / "run")),
+                          say=lambda line: None, live=False)
+        train(TrainConfig(**shape, dir=str(tmp_path / "reference")), say=lambda line: None, live=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert offloaded["step"] == 2 and offloaded["peak_bytes"] <= offloaded["budget_bytes"], offloaded
+    assert read_losses(tmp_path / "run") == read_losses(tmp_path / "reference")  # float.hex: bitwise
+
+
+@pytest.mark.slow  # 41-51 s; the fast tier trains with --optimizer-offload in the test above
 def test_optimizer_offload_fits_a_budget_adamw_alone_cannot_and_losses_stay_bitwise(tmp_path: Path) -> None:
     """`--optimizer-offload`: AdamW's state in host memory lowers the floor, so a budget below the floor with it on
     the device trains within it; the losses are bitwise those of a run without it; a later command with another
