@@ -82,7 +82,7 @@ def _wrap(kind: str, model: torch.nn.Module, blocks: list[torch.nn.Module]) -> t
 
 
 def _rank_main(rank: int, world: int, port: int, kind: str, model_name: str, budgets: Sequence[str | int] | int,
-               out_dir: str) -> None:
+               out_dir: str, offload: bool = False) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -90,7 +90,7 @@ def _rank_main(rank: int, world: int, port: int, kind: str, model_name: str, bud
     torch.set_num_threads(1)
     record: dict[str, Any] = {"rank": rank, "world": world, "kind": kind, "model": model_name, "plans": []}
     try:
-        _prove_on_rank(record, rank, kind, model_name, budgets)
+        _prove_on_rank(record, rank, kind, model_name, budgets, offload)
     except Exception as error:  # noqa: BLE001 - reported to the parent, named
         record["error"] = f"{type(error).__name__}: {error}"
     finally:
@@ -103,7 +103,7 @@ def _rank_main(rank: int, world: int, port: int, kind: str, model_name: str, bud
 
 
 def _prove_on_rank(record: dict[str, Any], rank: int, kind: str, model_name: str,
-                   budgets: Sequence[str | int] | int) -> None:
+                   budgets: Sequence[str | int] | int, offload: bool = False) -> None:
     """One rank's part of ``prove``: fills ``record``."""
     from torchckpt.planner import apply_plan, profile, verify_plan
     from torchckpt.planner.runner import StepRunner
@@ -120,13 +120,13 @@ def _prove_on_rank(record: dict[str, Any], rank: int, kind: str, model_name: str
     runner = StepRunner(wrapped, inputs, None, optimizer)
     _step(runner)
     runner.optimizer_step()  # the optimizer state exists, as in training
-    costs = profile(wrapped, inputs, optimizer=optimizer, blocks=blocks)
-    record.update(fixed_bytes=costs.fixed_bytes, notes=dict(costs.notes))
+    costs = profile(wrapped, inputs, optimizer=optimizer, blocks=blocks, offload=offload)
+    record.update(fixed_bytes=costs.fixed_bytes, notes=dict(costs.notes), offload=dict(costs.offload))
     if isinstance(budgets, int):  # a sweep from the floor to no checkpointing's predicted peak
         from torchckpt.planner import no_checkpointing_schedule
         from torchckpt.planner import solve as solver
 
-        floor = solver.floor_bytes(costs, margin_bytes=costs.margin_bytes)
+        floor = solver.floor_bytes(costs, margin_bytes=costs.margin_bytes)  # with offload where measured
         plain, _ = solver.evaluate(costs, no_checkpointing_schedule(costs))
         budgets = [int(floor + (plain - floor) * k / max(1, budgets - 1)) for k in range(budgets)]
     for budget in budgets:
@@ -137,7 +137,7 @@ def _prove_on_rank(record: dict[str, Any], rank: int, kind: str, model_name: str
                 "measured_peak_bytes": report.measured_peak_bytes,
                 "no_checkpointing_peak_bytes": report.no_checkpointing_peak_bytes,
                 "gradients_equal": report.gradients_equal, "buffers_equal": report.buffers_equal,
-                "plan": made.to_json()}
+                "plan": made.to_json(), "offloaded": sum(1 for piece in made.schedule if getattr(piece, "offload", 0))}
         if kind == "fsdp":
             with _CountAllGathers() as gathers_plain:
                 _step(runner)
@@ -193,11 +193,12 @@ def _step(runner: Any) -> None:
 
 
 def prove(kind: str, model_name: str, world: int, budgets: Sequence[str | int] | int,
-          timeout_s: float = 600.0) -> list[dict[str, Any]]:
+          timeout_s: float = 600.0, offload: bool = False) -> list[dict[str, Any]]:
     """Run ``world`` ranks of ``kind`` (``KINDS``) on ``model_name`` at ``budgets``; one record per rank.
 
     ``budgets``: budgets as ``torchckpt.plan`` takes them (per rank), or an int ``n``: ``n`` budgets evenly
-    from the floor (the least feasible, margin included) to no checkpointing's predicted peak.
+    from the floor (the least feasible, margin included) to no checkpointing's predicted peak. ``offload``:
+    profiled with ``offload=True`` (the floor then counts offloaded blocks).
 
     Raises ValueError for an unknown kind, a world below 2 or no budgets; RuntimeError naming the rank
     and its error when a rank failed, or the ranks still running after ``timeout_s`` seconds (or
@@ -214,7 +215,7 @@ def prove(kind: str, model_name: str, world: int, budgets: Sequence[str | int] |
 
     with tempfile.TemporaryDirectory() as out_dir:
         chosen = budgets if isinstance(budgets, int) else tuple(budgets)
-        context = mp.start_processes(_rank_main, args=(world, free_port(), kind, model_name, chosen, out_dir),
+        context = mp.start_processes(_rank_main, args=(world, free_port(), kind, model_name, chosen, out_dir, offload),
                                      nprocs=world, join=False, start_method="spawn")
         _wait(context, out_dir, world, timeout_s, f"{kind} on {model_name} with {world} ranks")
         records = [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(world)]

@@ -72,3 +72,16 @@ def test_two_processes_save_and_resume_bitwise(tmp_path: Path) -> None:
     again = _train(*TINY, "--steps", "10", "--dir", str(split))  # one process again: its own plan, reused
     assert "plan reused from step 8 (made for one process, batch 4 x 64, --budget 100%); not profiled" in again.stdout
     assert "planning" not in again.stdout and sorted(read_losses(split)) == list(range(1, 11))
+
+
+@pytest.mark.slow  # 50 s; the fast tier plans offload under DDP (tests/distributed/test_plans_distributed.py)
+def test_two_processes_train_with_offload_beside_fsdp2_bitwise(tmp_path: Path) -> None:
+    """`--offload --nproc 2`: each FSDP2 process plans offload from the agreed figures, trains within the budget,
+    and the losses are bitwise those of a run without checkpointing."""
+    whole, offloaded = tmp_path / "whole", tmp_path / "offloaded"
+    _train("--nproc", "2", *TINY, "--steps", "2", "--dir", str(whole))
+    done = _train("--nproc", "2", *TINY[:-2], "--budget", "70%", "--offload", "--steps", "2", "--dir", str(offloaded))
+    assert "host" in done.stdout, done.stdout[-3000:]  # the plan's host memory line
+    assert read_losses(offloaded) == read_losses(whole) and len(read_losses(whole)) == 2
+    summary = json.loads((offloaded / "summary.json").read_text())
+    assert summary["peak_bytes"] <= summary["budget_bytes"], summary

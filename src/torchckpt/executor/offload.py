@@ -166,9 +166,14 @@ class Offloader:
 
     def _kept_storages(self, values: Iterable[Any]) -> set[int]:
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
-        if self.module is not None:
+        if self.module is not None:  # under FSDP2: the running block's all-gathered parameters, the others' shards
             tensors += [*self.module.parameters(), *self.module.buffers()]
-        return {t.untyped_storage().data_ptr() for t in tensors if t.device == self.device}
+        kept = set()
+        for tensor in tensors:
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard on this rank
+            if local.device == self.device and type(local) in (torch.Tensor, nn.Parameter):
+                kept.add(local.untyped_storage().data_ptr())
+        return kept
 
     def _pack(self, tensor: torch.Tensor, skip: set[int], pending: dict[int, tuple[_Copy, torch.Tensor]]) -> Any:
         if tensor.device != self.device or tensor.layout != torch.strided or type(tensor) is not torch.Tensor:

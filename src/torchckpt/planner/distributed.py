@@ -129,6 +129,23 @@ def agree_flag(value: bool, group: Any = None) -> bool:
     return bool(flag.item())
 
 
+def ranks_on_this_host(group: Any = None) -> int:
+    """How many ranks of ``group`` run on this host (a collective: every rank calls it); 1 without a process group.
+
+    Example:
+        >>> ranks_on_this_host()
+        1
+    """
+    dist = _distributed()
+    if dist is None or group is None:
+        return 1
+    import socket
+
+    hosts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return max(1, hosts.count(socket.gethostname()))
+
+
 def same_outcome(action: Callable[[], T], group: Any = None) -> T:
     """Run ``action`` on every rank; if it raised on any rank, raise on every rank (a collective).
 
@@ -192,6 +209,10 @@ def sharded_blocks_note(blocks: list[nn.Module]) -> str | None:
             "each block's own call; plans checkpoint them one by one")
 
 
+_OFFLOAD_AGREED = (("window_bytes", 1), ("time_scale", 1), ("d2h_bytes_per_s", -1), ("h2d_bytes_per_s", -1),
+                   ("host_budget_bytes", -1))
+
+
 def _structure(costs: ChainCosts) -> str:
     """What must be equal on every rank: the blocks, their ops, the block paths."""
     return json.dumps({"paths": list(costs.block_paths),
@@ -203,11 +224,15 @@ def _numbers(costs: ChainCosts) -> list[float]:
     values: list[float] = [costs.fixed_bytes, costs.head_bytes, costs.region_recompute_bytes, costs.step_time_s,
                            costs.every_block_peak_bytes, costs.every_block_step_time_s, costs.margin_bytes,
                            0.0 if costs.chain else 1.0, costs.tail_bytes]
+    # the offload's calibration (planner/offload_step.py): the largest window and time scale, the least bandwidths
+    # and host budget (negated, so that the largest is the least)
+    values += [float(costs.offload.get(key, 0)) * sign for key, sign in _OFFLOAD_AGREED]
     for b in costs.blocks:
         values += [b.input_bytes, b.output_bytes, b.saved_bytes, b.forward_time_s, b.forward_peak_bytes,
                    b.backward_peak_bytes, b.recompute_peak_bytes, float(b.input_held_when_plain),
                    b.freed_side_input_bytes, b.nested_recompute_peak_bytes, b.nested_held_bytes,
-                   float(b.has_backward), b.checkpoint_residue_bytes]
+                   float(b.has_backward), b.checkpoint_residue_bytes, b.offload_held_bytes, b.offload_host_bytes,
+                   b.offload_time_s, b.offload_backward_peak_bytes, float(b.offload_input_held)]
         for op in b.ops:
             values += [op.output_bytes, op.time_s, op.alive_bytes]
     return [float(v) for v in values]
@@ -224,13 +249,20 @@ def _rebuild(costs: ChainCosts, numbers: list[float], notes: dict[str, str]) -> 
                 every_block_peak_bytes=whole(), every_block_step_time_s=next(it), margin_bytes=whole())
     any_rank_not_chain = next(it) > 0
     data["tail_bytes"] = whole()
+    agreed_offload = {key: next(it) * sign for key, sign in _OFFLOAD_AGREED}
+    if "window_bytes" in costs.offload:  # measured on every rank (a rank that refused made it a note on all)
+        data["offload"] = {**costs.offload, **{key: int(round(value)) if key.endswith("_bytes") else value
+                                               for key, value in agreed_offload.items()}}
+        data["offload"]["note"] = notes.get("offload", data["offload"].get("note", ""))  # rank 0's words
     data["chain"] = costs.chain and not any_rank_not_chain
     for block in data["blocks"]:
         block.update(input_bytes=whole(), output_bytes=whole(), saved_bytes=whole(), forward_time_s=next(it),
                      forward_peak_bytes=whole(), backward_peak_bytes=whole(), recompute_peak_bytes=whole(),
                      input_held_when_plain=next(it) > 0, freed_side_input_bytes=whole(),
                      nested_recompute_peak_bytes=whole(), nested_held_bytes=whole(),
-                     has_backward=next(it) > 0, checkpoint_residue_bytes=whole())
+                     has_backward=next(it) > 0, checkpoint_residue_bytes=whole(), offload_held_bytes=whole(),
+                     offload_host_bytes=whole(), offload_time_s=next(it), offload_backward_peak_bytes=whole(),
+                     offload_input_held=next(it) > 0)
         for op in block["ops"]:
             op.update(output_bytes=whole(), time_s=next(it), alive_bytes=whole())
     data["notes"] = notes

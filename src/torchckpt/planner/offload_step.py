@@ -15,9 +15,13 @@ Rules (costs.py's [offloaded blocks] is the peak model these figures feed):
    the every-block-offloaded step is predicted to cost what it measured (``offload["time_scale"]``; 1 when
    timing noise made it no slower, or no block's copy was modelled visible: then the measured extra is spread by
    host bytes).
-3. **[offload where it can run]** Offload is not planned under DDP or FSDP2 yet, nor for a model run under
-   ``torch.compile`` (its saved-tensor hooks would run where the compiled graphs do not call them);
-   ``notes["offload"]`` says why, and the plan has no offload option.
+3. **[offload where it can run]** Offload is not planned for a model run under ``torch.compile`` (its
+   saved-tensor hooks would run where the compiled graphs do not call them); ``notes["offload"]`` says why, and
+   the plan has no offload option. Under DDP or FSDP2 every rank measures its own step, the steps are collectives
+   run by all ranks alike, and the ranks agree on the figures as on the others (planner/distributed.py's [ranks
+   agree on the costs]: the largest of each, the least bandwidth and host budget), so every rank plans the same
+   offloaded blocks. The executor leaves FSDP2's all-gathered parameters on the device as it leaves any
+   parameter (executor/offload.py's [what is offloaded]): they are the module's parameters while it runs.
 4. **[inputs move only along a chain]** Along a chain (``costs.chain``) what a block saves of its input is
    offloaded too (``Offloader(offload_inputs=True)``), and its input counts as held (``offload_input_held``) when
    the measured step finds it alive when the block's backward pass begins or when the last block's forward pass
@@ -30,7 +34,8 @@ Rules (costs.py's [offloaded blocks] is the peak model these figures feed):
    the input cannot free: the inputs stay on the device there and ``offload_input_held`` is the plain step's
    ``input_held_when_plain``.
 5. **[a default host budget]** ``host_budget=None`` takes half the host memory available when profiling
-   (``MemAvailable``; 4 GiB where it cannot be read): what plans may keep in host buffers at once. On the CPU
+   (``MemAvailable``; 4 GiB where it cannot be read), shared by the ranks of the process group on the same host:
+   what plans may keep in host buffers at once, per process. On the CPU
    the window of copies brought back ahead is 0 (a copy back cannot overlap compute there); on CUDA it is a
    quarter of the largest block's host bytes, at most 256 MiB.
 """
@@ -54,6 +59,7 @@ from torchckpt.executor import CheckpointHandle, wrap_forward
 from torchckpt.executor.offload import Offloader
 from torchckpt.memory.host_pool import host_buffer
 from torchckpt.memory.meter import synchronize
+from torchckpt.planner.distributed import agree_flag, ranks_on_this_host, same_outcome
 from torchckpt.planner.from_costs import ChainCosts
 from torchckpt.planner.probe import Probe, measure_step, timed_step
 from torchckpt.planner.runner import StepRunner
@@ -215,26 +221,27 @@ def measure_offload(runner: StepRunner, block_list: list[nn.Module], costs: Chai
     """
     if not offload:
         return costs
-    why = ""
-    if group is not None:
-        why = "no: not planned under DDP or FSDP2 yet"
-    elif compiled:
+    if compiled:
         why = "no: not planned for a compiled model (saved-tensor hooks do not run inside compiled graphs)"
-    if why:
         return replace(costs, notes={**costs.notes, "offload": why}, offload={"note": why})
     device = runner.device
     say("profiling the offload: host<->device bandwidth, then a step with every block offloaded")
     out_rate, back_rate = measure_bandwidth(device)
-    limit = host_budget if host_budget is not None else _available_host_bytes() // 2
+    limit = host_budget if host_budget is not None else _available_host_bytes() // 2 // ranks_on_this_host(group)
     runner.clear_grads()
     inputs = costs.chain  # [inputs move only along a chain]
-    with offloaded_blocks(runner.model, block_list, host_limit_bytes=limit, offload_inputs=inputs) as measured, \
-            block_ticks(block_list):  # _progress.py's [reported per phase, never per op]
-        probe = measure_step(runner, block_list, record_ops=False)
+
+    def step() -> tuple[offloaded_blocks, Probe]:
+        with offloaded_blocks(runner.model, block_list, host_limit_bytes=limit, offload_inputs=inputs) as blocks, \
+                block_ticks(block_list):  # _progress.py's [reported per phase, never per op]
+            return blocks, measure_step(runner, block_list, record_ops=False)
+    measured, probe = step() if group is None else same_outcome(step, group)
     runner.clear_grads()
-    if measured.offloader.refused_bytes:
-        why = (f"no: offloading every block needs over the host budget of {format_bytes(limit)} "
-               f"({format_bytes(measured.offloader.refused_bytes)} more); raise host_budget")
+    if not agree_flag(measured.offloader.refused_bytes == 0, group):
+        over = f" ({format_bytes(measured.offloader.refused_bytes)} more)" if measured.offloader.refused_bytes else \
+            " on another rank"
+        why = (f"no: offloading every block needs over the host budget of {format_bytes(limit)}{over}; "
+               "raise host_budget")
         return replace(costs, notes={**costs.notes, "offload": why}, offload={"note": why})
     plain_s, offloaded_s = costs.step_time_s, float("inf")
     for _ in range(2):  # interleaved, the least of each: one noisy step would set the scale for every block

@@ -200,10 +200,11 @@ class TrainConfig:
     offload: bool = train_option(
         False, "plan with offload as a third choice per block: its saved activations moved to host memory in the "
                "forward pass and brought back for the backward, where that is faster than recomputing (on CUDA; on "
-               "the CPU the host is the same memory, counted apart); one process only")
+               "the CPU the host is the same memory, counted apart); with --nproc beside FSDP2, each process its own")
     optimizer_offload: bool = train_option(
         False, "keep AdamW's state (twice the parameters) in host memory between steps, one parameter's on the "
-               "device at a time for its update: the budget needs no room for it, and losses stay bitwise")
+               "device at a time for its update: the budget needs no room for it, and losses stay bitwise; one "
+               "process only")
 
     def __post_init__(self) -> None:
         if self.budget == "auto":  # the size's default (frozen: set once, here)

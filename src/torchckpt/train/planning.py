@@ -113,10 +113,10 @@ def plan_job(config: TrainConfig, record: dict[str, Any], model: nn.Module, exam
         True
         >>> tmp.cleanup()
     """
-    if ranks is not None and (config.offload or config.optimizer_offload):  # the same on every rank: all refuse
-        flag = "--offload" if config.offload else "--optimizer-offload"
-        raise ValueError(f"{flag} is planned on one process only: with --nproc the model is sharded by FSDP2, which "
-                         "offload does not run beside yet; train without it, or on one process")
+    if ranks is not None and config.optimizer_offload:  # the same on every rank: all refuse
+        raise ValueError("--optimizer-offload is planned on one process only: with --nproc the model is sharded by "
+                         "FSDP2, whose own offload_policy=CPUOffloadPolicy() moves the state; train without it, or "
+                         "on one process")
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     layout = Layout(world=ranks.world if ranks else 1, sharding="FSDP2" if ranks else "none",
