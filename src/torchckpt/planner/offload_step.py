@@ -227,7 +227,8 @@ def measure_offload(runner: StepRunner, block_list: list[nn.Module], costs: Chai
     device = runner.device
     say("profiling the offload: host<->device bandwidth, then a step with every block offloaded")
     out_rate, back_rate = measure_bandwidth(device)
-    limit = host_budget if host_budget is not None else _available_host_bytes() // 2 // ranks_on_this_host(group)
+    sharing = ranks_on_this_host(group)  # a collective on every rank, whatever host_budget each was given
+    limit = host_budget if host_budget is not None else _available_host_bytes() // 2 // sharing
     runner.clear_grads()
     inputs = costs.chain  # [inputs move only along a chain]
 
