@@ -239,13 +239,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--name", default="below_every_block", help="result file name (.json and .md)")
+    parser.add_argument("--batch-slices", type=int, default=BATCH_SLICES,
+                        help=f"k of the batch-slices columns (default {BATCH_SLICES})")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.batch_slices < 2:
+        parser.error("--batch-slices must be at least 2")
+    global BATCH_SLICES  # noqa: PLW0603 - the columns' k, read by measure() and markdown()
+    BATCH_SLICES = args.batch_slices
     torch.set_num_threads(1)
     chosen = "" if args.models == ",".join(MODELS) else f" --models {args.models}"
     chosen += "" if args.name == "below_every_block" else f" --name {args.name}"
+    chosen += "" if args.batch_slices == 4 else f" --batch-slices {args.batch_slices}"
     results = run_record(Path(__file__).parent, repeats=args.repeats, args=chosen)  # the commit it starts on
+    results["batch_slices"] = BATCH_SLICES
     results["models"] = [measure(name, args.repeats) for name in args.models.split(",")]
     write_results(results, args.out_dir, f"{args.name}.json")
     text = markdown(results)
