@@ -246,14 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be at least 1")
     if args.batch_slices < 2:
         parser.error("--batch-slices must be at least 2")
-    global BATCH_SLICES  # noqa: PLW0603 - the columns' k, read by measure() and markdown()
-    BATCH_SLICES = args.batch_slices
+    globals()["BATCH_SLICES"] = args.batch_slices  # the columns' k, read by measure() and markdown()
     torch.set_num_threads(1)
     chosen = "" if args.models == ",".join(MODELS) else f" --models {args.models}"
     chosen += "" if args.name == "below_every_block" else f" --name {args.name}"
     chosen += "" if args.batch_slices == 4 else f" --batch-slices {args.batch_slices}"
     results = run_record(Path(__file__).parent, repeats=args.repeats, args=chosen)  # the commit it starts on
-    results["batch_slices"] = BATCH_SLICES
+    results["batch_slices"] = args.batch_slices
     results["models"] = [measure(name, args.repeats) for name in args.models.split(",")]
     write_results(results, args.out_dir, f"{args.name}.json")
     text = markdown(results)
