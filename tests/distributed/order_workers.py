@@ -67,7 +67,7 @@ def _unequal(grads: list[torch.Tensor], reference: list[torch.Tensor], rounding:
         if index not in rounding:
             return not torch.equal(a, b)
         gap = (a.double() - b.double()).abs().max().item() / max(b.double().abs().max().item(), 1e-300)
-        return gap > ROUNDING_EPS_FACTOR * torch.finfo(b.dtype).eps
+        return not gap <= ROUNDING_EPS_FACTOR * torch.finfo(b.dtype).eps  # NaN differs
     return [i for i, (a, b) in enumerate(zip(grads, reference)) if differs(i, a, b)]
 
 

@@ -96,3 +96,46 @@ def test_a_model_planned_by_one_rank_alone_takes_part_in_no_collective(two_ranks
     results = two_ranks(_plan_on_rank_0)
     assert results[0] == results[1]
     assert json.loads(results[0]["plan"])["loss_head"]["path"] == "lm_head"  # the path that voted is covered
+
+
+def _fsdp2_adamw_offload(rank: int, port: int, out: str) -> None:
+    """FSDP2 units with AdamW's state made (DTensors), profiled with offload on both ranks."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import torchckpt
+    from torchckpt.models import gpt
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        model = gpt("tiny", dropout=0.0)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        batch = model.example_batch(batch_size=2, seq_len=32)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(*batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        costs = torchckpt.profile(model, batch, optimizer=optimizer, offload=True)
+        result = {"offload": costs.offload, "state": costs.state_bytes,
+                  "host": [b.offload_host_bytes for b in costs.blocks], "notes": costs.notes.get("offload", "")}
+        with open(os.path.join(out, f"{rank}.json"), "w") as handle:
+            json.dump(result, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_with_adamw_state_is_profiled_and_the_ranks_agree_on_the_offload(two_ranks) -> None:
+    # is_host_tensor read a DTensor's storage and every FSDP2 profile with an optimizer's state failed
+    results = two_ranks(_fsdp2_adamw_offload)
+    assert results[0] == results[1]  # planner/offload_step.py's [offload where it can run]: agreed figures
+    agreed = results[0]
+    assert agreed["state"]["optimizer_state"] > 0 and all(n > 0 for n in agreed["host"]), agreed
+    assert agreed["offload"]["host_budget_bytes"] > 0 and agreed["notes"].startswith("every block offloaded")

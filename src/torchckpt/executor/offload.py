@@ -169,10 +169,15 @@ class Offloader:
         if self.module is not None:  # under FSDP2: the running block's all-gathered parameters, the others' shards
             tensors += [*self.module.parameters(), *self.module.buffers()]
         kept = set()
-        for tensor in tensors:
-            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard on this rank
-            if local.device == self.device and type(local) in (torch.Tensor, nn.Parameter):
-                kept.add(local.untyped_storage().data_ptr())
+        with torch.no_grad():  # to_local() would record a node per parameter per call
+            for tensor in tensors:
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard on this rank
+                if local.device != self.device or local.layout != torch.strided:
+                    continue
+                try:  # a parameter subclass with storage of its own (a quantised weight) is kept as any parameter
+                    kept.add(local.untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):  # a wrapper without storage: nothing autograd saves
+                    continue
         return kept
 
     def _pack(self, tensor: torch.Tensor, skip: set[int], pending: dict[int, tuple[_Copy, torch.Tensor]]) -> Any:

@@ -138,10 +138,10 @@ def is_host_tensor(tensor: torch.Tensor | torch.UntypedStorage) -> bool:
     """
     if isinstance(tensor, torch.Tensor) and hasattr(tensor, "to_local"):  # a DTensor (FSDP2): its shard on this rank
         tensor = tensor.to_local()
-    storage = tensor if isinstance(tensor, torch.UntypedStorage) else tensor.untyped_storage()
     try:
+        storage = tensor if isinstance(tensor, torch.UntypedStorage) else tensor.untyped_storage()
         address = storage.data_ptr()
-    except RuntimeError:  # a wrapper subclass without storage of its own: not one of these buffers
+    except (RuntimeError, NotImplementedError):  # a sparse tensor, a wrapper subclass: not one of these buffers
         return False
     return address != 0 and address in _ADDRESSES
 

@@ -130,20 +130,28 @@ def agree_flag(value: bool, group: Any = None) -> bool:
 
 
 def ranks_on_this_host(group: Any = None) -> int:
-    """How many ranks of ``group`` run on this host (a collective: every rank calls it); 1 without a process group.
+    """How many processes of the job share this host: the ranks of ``group`` here (a collective: every rank calls
+    it), or, where more, the launcher's ``LOCAL_WORLD_SIZE`` (torchrun sets it; a model planned by rank 0 alone
+    has no group but shares the host with the others); 1 without either.
 
     Example:
-        >>> ranks_on_this_host()
-        1
+        >>> ranks_on_this_host() >= 1
+        True
     """
+    import os
+
+    try:
+        launched = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        launched = 1
     dist = _distributed()
     if dist is None or group is None:
-        return 1
+        return launched
     import socket
 
     hosts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return max(1, hosts.count(socket.gethostname()))
+    return max(launched, hosts.count(socket.gethostname()))
 
 
 def same_outcome(action: Callable[[], T], group: Any = None) -> T:
@@ -253,7 +261,8 @@ def _rebuild(costs: ChainCosts, numbers: list[float], notes: dict[str, str]) -> 
     if "window_bytes" in costs.offload:  # measured on every rank (a rank that refused made it a note on all)
         data["offload"] = {**costs.offload, **{key: int(round(value)) if key.endswith("_bytes") else value
                                                for key, value in agreed_offload.items()}}
-        data["offload"]["note"] = notes.get("offload", data["offload"].get("note", ""))  # rank 0's words
+    if "note" in data["offload"]:  # rank 0's words, so the costs are the same on every rank
+        data["offload"]["note"] = notes.get("offload", data["offload"]["note"])
     data["chain"] = costs.chain and not any_rank_not_chain
     for block in data["blocks"]:
         block.update(input_bytes=whole(), output_bytes=whole(), saved_bytes=whole(), forward_time_s=next(it),

@@ -221,7 +221,7 @@ def measure_offload(runner: StepRunner, block_list: list[nn.Module], costs: Chai
     """
     if not offload:
         return costs
-    if compiled:
+    if not agree_flag(not compiled, group):  # every rank alike, or the eager ones would wait in the step below
         why = "no: not planned for a compiled model (saved-tensor hooks do not run inside compiled graphs)"
         return replace(costs, notes={**costs.notes, "offload": why}, offload={"note": why})
     device = runner.device
