@@ -192,14 +192,16 @@ def format_summary(summary: dict[str, Any]) -> str:
         ...     "peak_bytes": 80, "budget_bytes": 100, "predicted_peak_bytes": 90, "plain_peak_bytes": 200,
         ...     "predicted_extra_s": 0.1, "plain_step_s": 1.0, "mean_step_s": 1.2, "checkpoints": "runs/x",
         ...     "checkpoint_steps": [2]})
-        >>> "60% less" in text
-        True
+        >>> "60% less" in text, "recomputation per step" in text
+        (True, True)
         >>> summary = {"step": 2, "train_loss": 3.0, "validation_loss": 3.1, "sample": "", "peak_bytes": 80,
         ...     "budget_bytes": 100, "predicted_peak_bytes": 90, "plain_peak_bytes": 200, "predicted_extra_s": 0.1,
         ...     "plain_step_s": 1.0, "mean_step_s": None, "every_block_peak_bytes": 120,
         ...     "every_block_step_s": 1.3, "checkpoints": "runs/x", "checkpoint_steps": []}
         >>> format_summary(summary).splitlines()[1].split("; ")[-1]
         'checkpointing every block (torch.utils.checkpoint) 120 B: does not fit this budget'
+        >>> "recomputation and host copies per step" in format_summary({**summary, "offloaded_blocks": 2})
+        True
     """
     s = summary
     saving = 1 - s["peak_bytes"] / max(s["plain_peak_bytes"], 1)
@@ -219,7 +221,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         (f"memory: measured peak {format_bytes(s['peak_bytes'])} ({within} budget {format_bytes(s['budget_bytes'])}; "
          f"predicted {format_bytes(s['predicted_peak_bytes'])}); without checkpointing "
          f"{format_bytes(s['plain_peak_bytes'])}: {saving:.0%} less" + every_block_peak),
-        (f"time: the plan predicts +{s['predicted_extra_s'] * 1e3:.0f} ms of recomputation per step = "
+        (f"time: the plan predicts +{s['predicted_extra_s'] * 1e3:.0f} ms of recomputation"
+         f"{' and host copies' if s.get('offloaded_blocks') else ''} per step = "
          f"{overhead:+.0%} of an uncheckpointed step ({s['plain_step_s']:.2f} s, measured once"
          f"{every_block_time}); "
          + (f"measured mean step {s['mean_step_s']:.2f} s ({measured:+.0%})" if s.get("mean_step_s")
@@ -356,6 +359,9 @@ def _run(config: TrainConfig, record: dict[str, Any], model: nn.Module, train_se
         "checkpoints": str(checkpointer.directory), "checkpoint_steps": checkpoint_steps,
     }
     summary.update({key: baseline[key] for key in ("every_block_peak_bytes", "every_block_step_s") if key in baseline})
+    offloaded = sum(1 for piece in plan.schedule if getattr(piece, "offload", False))
+    if offloaded:  # the predicted extra time is then the copies' too
+        summary["offloaded_blocks"] = offloaded
     if ranks is not None:
         summary["processes"] = ranks.world
     moved = state_offload_of(optimizer)
