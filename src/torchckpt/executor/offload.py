@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from torchckpt._host import local_part
 from torchckpt.memory.host_pool import host_buffer, unmetered
 
 __all__ = ["Offloader"]
@@ -171,7 +172,7 @@ class Offloader:
         kept = set()
         with torch.no_grad():  # to_local() would record a node per parameter per call
             for tensor in tensors:
-                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard on this rank
+                local = local_part(tensor)  # a DTensor's shard on this rank
                 if local.device != self.device or local.layout != torch.strided:
                     continue
                 try:  # a parameter subclass with storage of its own (a quantised weight) is kept as any parameter

@@ -31,6 +31,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from torchckpt._host import local_part
+
 __all__ = ["host_buffer", "host_live_bytes", "host_peak_bytes", "host_state_bytes", "host_tensor", "is_host_tensor",
            "reset_host_peak", "unmetered"]
 
@@ -136,10 +138,8 @@ def is_host_tensor(tensor: torch.Tensor | torch.UntypedStorage) -> bool:
         >>> is_host_tensor(torch.ones(3))
         False
     """
-    if isinstance(tensor, torch.Tensor) and hasattr(tensor, "to_local"):  # a DTensor (FSDP2): its shard on this rank
-        tensor = tensor.to_local()
-    try:
-        storage = tensor if isinstance(tensor, torch.UntypedStorage) else tensor.untyped_storage()
+    try:  # a DTensor (FSDP2): its shard on this rank
+        storage = tensor if isinstance(tensor, torch.UntypedStorage) else local_part(tensor).untyped_storage()
         address = storage.data_ptr()
     except (RuntimeError, NotImplementedError):  # a sparse tensor, a wrapper subclass: not one of these buffers
         return False

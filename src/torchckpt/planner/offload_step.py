@@ -236,7 +236,7 @@ def measure_offload(runner: StepRunner, block_list: list[nn.Module], costs: Chai
         with offloaded_blocks(runner.model, block_list, host_limit_bytes=limit, offload_inputs=inputs) as blocks, \
                 block_ticks(block_list):  # _progress.py's [reported per phase, never per op]
             return blocks, measure_step(runner, block_list, record_ops=False)
-    measured, probe = step() if group is None else same_outcome(step, group)
+    measured, probe = same_outcome(step, group)  # step() alone without a group
     runner.clear_grads()
     if not agree_flag(measured.offloader.refused_bytes == 0, group):
         over = f" ({format_bytes(measured.offloader.refused_bytes)} more)" if measured.offloader.refused_bytes else \
